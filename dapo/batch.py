@@ -1,0 +1,137 @@
+"""Rollout batches: the columns that move between steps, and their tensor form.
+
+Between pipeline steps a batch is a pyarrow Table with ROLLOUT_SCHEMA (one row per
+sampled response); verify_rewards adds REWARD_FIELDS. For the policy update the
+rows become padded tensors in verl's layout: prompts left-padded to a common
+length P, responses right-padded to R, so the logits at positions P-1 .. P+R-2
+predict the response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from dapo.loss import entropy_from_logits
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("prompt_uid", pa.string()),
+        ("sample_index", pa.int32()),
+        ("prompt", pa.string()),
+        ("ground_truth", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_text", pa.string()),
+        ("rollout_log_probs", pa.list_(pa.float32())),
+        ("truncated", pa.bool_()),
+    ]
+)
+REWARD_FIELDS = [
+    pa.field("reward", pa.float32()),
+    pa.field("acc", pa.float32()),
+    pa.field("correctness", pa.float32()),
+    pa.field("overlong_penalty", pa.float32()),
+    pa.field("format_score", pa.float32()),
+]
+SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + REWARD_FIELDS)
+
+
+@dataclass
+class PolicyBatch:
+    """Padded tensors for one set of responses."""
+
+    input_ids: torch.Tensor  # (B, P+R)
+    attention_mask: torch.Tensor  # (B, P+R)
+    position_ids: torch.Tensor  # (B, P+R)
+    responses: torch.Tensor  # (B, R)
+    response_mask: torch.Tensor  # (B, R) 1 on real response tokens
+    prompt_length: int  # P
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "PolicyBatch":
+        return PolicyBatch(
+            input_ids=self.input_ids[index],
+            attention_mask=self.attention_mask[index],
+            position_ids=self.position_ids[index],
+            responses=self.responses[index],
+            response_mask=self.response_mask[index],
+            prompt_length=self.prompt_length,
+        )
+
+
+def collate(
+    prompt_token_ids: list[list[int]],
+    response_token_ids: list[list[int]],
+    pad_token_id: int,
+) -> PolicyBatch:
+    """Left-pad prompts, right-pad responses, and build masks and positions."""
+    if len(prompt_token_ids) != len(response_token_ids):
+        raise ValueError(f"{len(prompt_token_ids)} prompts but {len(response_token_ids)} responses")
+    if not prompt_token_ids:
+        raise ValueError("cannot collate an empty batch")
+    prompt_len = max(len(p) for p in prompt_token_ids)
+    response_len = max(1, max(len(r) for r in response_token_ids))
+    batch = len(prompt_token_ids)
+    input_ids = torch.full((batch, prompt_len + response_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (prompt, response) in enumerate(zip(prompt_token_ids, response_token_ids)):
+        start = prompt_len - len(prompt)
+        input_ids[row, start:prompt_len] = torch.as_tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_len : prompt_len + len(response)] = torch.as_tensor(response, dtype=torch.long)
+        attention_mask[row, start : prompt_len + len(response)] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    return PolicyBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        responses=input_ids[:, prompt_len:],
+        response_mask=attention_mask[:, prompt_len:],
+        prompt_length=prompt_len,
+    )
+
+
+def collate_table(table: pa.Table, pad_token_id: int) -> PolicyBatch:
+    return collate(
+        table.column("prompt_token_ids").to_pylist(),
+        table.column("response_token_ids").to_pylist(),
+        pad_token_id,
+    )
+
+
+def padded_rollout_log_probs(table: pa.Table, response_len: int) -> torch.Tensor:
+    """The sampler's per-token log-probs as a (B, R) tensor, zero on padding."""
+    rows = table.column("rollout_log_probs").to_pylist()
+    out = torch.zeros((len(rows), response_len), dtype=torch.float32)
+    for i, values in enumerate(rows):
+        out[i, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
+    return out
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    batch: PolicyBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(o_t | q, o_<t) of every response token, and optionally the entropy there.
+
+    Logits are divided by the sampling temperature so the log-probs are those of the
+    distribution the rollout sampled from.
+    """
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).logits
+    response_logits = logits[:, batch.prompt_length - 1 : -1, :].float() / temperature
+    log_probs = torch.log_softmax(response_logits, dim=-1)
+    token_log_probs = log_probs.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(response_logits) if with_entropy else None
+    return token_log_probs, entropy

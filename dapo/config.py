@@ -1,0 +1,266 @@
+"""One typed configuration for a DAPO run, with the paper's defaults.
+
+Symbols follow Yu et al. 2025 (arXiv 2503.14476): G responses per prompt,
+eps_low / eps_high for the decoupled clip, L_max / L_cache for the soft
+overlong punishment. Defaults are the paper's (and verl's DAPO recipe,
+recipe/dapo/run_dapo_qwen2.5_32b.sh) unless a field's comment says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+FILTER_METRICS = ("acc", "reward")
+ROLLOUT_BACKENDS = ("vllm", "hf")
+TRAINER_BACKENDS = ("deepspeed", "torch")
+SHORT_BATCH_POLICIES = ("train", "skip")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field and the rule it breaks."""
+
+
+@dataclass
+class DAPOConfig:
+    # --- model and data -------------------------------------------------------------
+    model_path: str = ""
+    """Hugging Face model directory to start from; "" builds the embedded tiny policy."""
+    train_data_path: str = ""
+    """verl-format parquet (DAPO-Math-17k columns); "" generates the embedded arithmetic task."""
+    val_data_path: str = ""
+    """Held-out parquet for avg@k validation; "" generates the embedded task's validation split."""
+    on_bad_row: str = "error"
+    """Malformed data rows: "error" stops with the file, row and column; "skip" drops and counts them."""
+
+    # --- lengths and overlong shaping -------------------------------------------------
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480
+    """L_max: responses are cut at this many tokens."""
+    overlong_buffer_len: int = 4096
+    """L_cache: the soft punishment zone is (L_max - L_cache, L_max]."""
+    overlong_penalty_factor: float = 1.0
+    enable_overlong_penalty: bool = True
+    overlong_filtering: bool = False
+    """Mask truncated responses out of the loss (the paper's "overlong filtering" ablation)."""
+
+    # --- rewards ----------------------------------------------------------------------
+    format_reward_weight: float = 0.0
+    """Initial weight of the soft format reward (not in the paper, which has none; 0 = off)."""
+    format_reward_decay_steps: int = 0
+    """Steps over which the format weight decays linearly to 0."""
+
+    # --- rollout and dynamic sampling -------------------------------------------------
+    n_samples_per_prompt: int = 16
+    """G: responses sampled per prompt."""
+    train_prompt_bsz: int = 512
+    """Informative groups (prompts) per policy step."""
+    gen_prompt_bsz: int = 1536
+    """Prompts sampled per generation round (3x train in the recipe)."""
+    dynamic_sampling: bool = True
+    filter_metric: str = "acc"
+    max_num_gen_batches: int = 10
+    """Generation rounds per step before the step settles for a short batch (0 = unbounded)."""
+    on_short_batch: str = "train"
+    """After max_num_gen_batches rounds with too few groups: "train" on what there is, or "skip" the step."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    # --- validation -------------------------------------------------------------------
+    val_n_samples: int = 32
+    """k in avg@k."""
+    val_temperature: float = 1.0
+    val_top_p: float = 0.7
+    val_every: int = 5
+    val_max_prompts: int = 0
+    """Cap on validation prompts (0 = all)."""
+
+    # --- policy loss ------------------------------------------------------------------
+    clip_low: float = 0.2
+    """eps_low."""
+    clip_high: float = 0.28
+    """eps_high (clip-higher)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip lower bound c for negative advantages (verl's library default 3.0); None = off."""
+    loss_agg_mode: str = "token-mean"
+
+    # --- optimisation -----------------------------------------------------------------
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    """Linear warm-up, counted in policy steps."""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    ppo_mini_batch_size: int = 32
+    """Prompts per optimiser update (train_prompt_bsz / this = updates per step)."""
+    ppo_epochs: int = 1
+    micro_batch_size: int = 0
+    """Responses per forward/backward (gradient accumulation); 0 = the whole mini-batch."""
+    max_bad_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient before the run stops."""
+
+    # --- schedule ---------------------------------------------------------------------
+    total_steps: int = 100
+    seed: int = 0
+
+    # --- engines ----------------------------------------------------------------------
+    rollout_backend: str = "vllm"
+    trainer_backend: str = "deepspeed"
+    zero_stage: int = 2
+    dtype: str = "bfloat16"
+    """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
+
+    # --- scale-out (cluster) ----------------------------------------------------------
+    rollout_shards: int = 1
+    """Rollout pods a generation round is split over (Flyte map over prompt shards)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism inside one rollout pod."""
+    trainer_nnodes: int = 1
+    """Nodes of the DeepSpeed policy step (>1 runs it as a PyTorchJob through Elastic)."""
+    trainer_nproc_per_node: int = 1
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form tags logged with the run (not used by the algorithm)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field that breaks a rule."""
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ConfigError(f"DAPOConfig.{name}={getattr(self, name)!r}: {rule}")
+
+        need(0.0 < self.clip_low < 1.0, "clip_low", "eps_low must lie in (0, 1)")
+        need(self.clip_high > 0.0, "clip_high", "eps_high must be > 0")
+        need(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+            "clip_ratio_c",
+            "the dual-clip bound c must be > 1 (or None to disable it)",
+        )
+        need(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+        need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
+        need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        need(self.max_response_length > 0, "max_response_length", "must be > 0")
+        need(
+            0 <= self.overlong_buffer_len <= self.max_response_length,
+            "overlong_buffer_len",
+            f"L_cache must lie in [0, max_response_length={self.max_response_length}]",
+        )
+        need(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", "must be >= 0")
+        need(self.format_reward_weight >= 0, "format_reward_weight", "must be >= 0")
+        need(self.format_reward_decay_steps >= 0, "format_reward_decay_steps", "must be >= 0")
+        need(self.train_prompt_bsz >= 1, "train_prompt_bsz", "must be >= 1")
+        need(
+            self.gen_prompt_bsz >= self.train_prompt_bsz,
+            "gen_prompt_bsz",
+            f"must be >= train_prompt_bsz={self.train_prompt_bsz}",
+        )
+        need(self.filter_metric in FILTER_METRICS, "filter_metric", f"must be one of {FILTER_METRICS}")
+        need(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = unbounded)")
+        need(self.on_short_batch in SHORT_BATCH_POLICIES, "on_short_batch", f"must be one of {SHORT_BATCH_POLICIES}")
+        need(self.on_bad_row in BAD_ROW_POLICIES, "on_bad_row", f"must be one of {BAD_ROW_POLICIES}")
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
+        need(self.val_temperature > 0, "val_temperature", "must be > 0")
+        need(0 < self.val_top_p <= 1, "val_top_p", "must lie in (0, 1]")
+        need(self.val_n_samples >= 1, "val_n_samples", "must be >= 1")
+        need(self.val_every >= 0, "val_every", "must be >= 0 (0 = only at the end)")
+        need(self.val_max_prompts >= 0, "val_max_prompts", "must be >= 0")
+        need(self.lr > 0, "lr", "must be > 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        need(1 <= self.ppo_mini_batch_size <= self.train_prompt_bsz, "ppo_mini_batch_size", "must lie in [1, train_prompt_bsz]")
+        need(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0")
+        need(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
+        need(self.total_steps >= 1, "total_steps", "must be >= 1")
+        need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"must be one of {ROLLOUT_BACKENDS}")
+        need(self.trainer_backend in TRAINER_BACKENDS, "trainer_backend", f"must be one of {TRAINER_BACKENDS}")
+        need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
+        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+        for name in ("rollout_shards", "tensor_parallel_size", "trainer_nnodes", "trainer_nproc_per_node"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+
+    # ---------------------------------------------------------------------------------
+    @property
+    def updates_per_step(self) -> int:
+        """Optimiser updates per policy step (16 in the paper: 512 prompts / 32)."""
+        return -(-self.train_prompt_bsz // self.ppo_mini_batch_size) * self.ppo_epochs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DAPOConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown DAPOConfig field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    def replace(self, **overrides: Any) -> "DAPOConfig":
+        """A copy with some fields changed, validated like a new config."""
+        return self.from_dict({**self.to_dict(), **overrides})
+
+    @classmethod
+    def preset(cls, name: str, overrides: dict[str, Any] | None = None) -> "DAPOConfig":
+        presets = {"paper_32b": cls.paper_32b, "tiny_cpu": cls.tiny_cpu}
+        if name not in presets:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return presets[name]().replace(**(overrides or {}))
+
+    # --- presets ----------------------------------------------------------------------
+    @classmethod
+    def paper_32b(cls) -> "DAPOConfig":
+        """Qwen2.5-32B on DAPO-Math-17k as in the paper and verl's recipe.
+
+        Sized for 16 nodes x 8 GPUs: vLLM tensor parallel 4 in 32 rollout pods,
+        ZeRO-3 policy step over 16 nodes. No format reward, to stay faithful.
+        """
+        return cls(
+            model_path="Qwen/Qwen2.5-32B",
+            train_data_path="dapo-math-17k.parquet",
+            val_data_path="aime-2024.parquet",
+            clip_ratio_c=10.0,
+            total_steps=1000,
+            zero_stage=3,
+            rollout_shards=32,
+            tensor_parallel_size=4,
+            trainer_nnodes=16,
+            trainer_nproc_per_node=8,
+        )
+
+    @classmethod
+    def tiny_cpu(cls) -> "DAPOConfig":
+        """The embedded default: a tiny policy on generated arithmetic, on a 2-core CPU."""
+        return cls(
+            max_prompt_length=256,
+            max_response_length=24,
+            overlong_buffer_len=8,
+            format_reward_weight=0.5,
+            format_reward_decay_steps=10,
+            n_samples_per_prompt=8,
+            train_prompt_bsz=16,
+            gen_prompt_bsz=32,
+            max_num_gen_batches=3,
+            val_n_samples=4,
+            val_every=5,
+            val_max_prompts=64,
+            lr=5e-4,
+            warmup_steps=2,
+            weight_decay=0.0,
+            ppo_mini_batch_size=8,
+            total_steps=30,
+            zero_stage=2,
+            dtype="float32",
+        )

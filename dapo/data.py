@@ -1,0 +1,204 @@
+"""Prompt data: verl-format parquet (DAPO-Math-17k) and the embedded arithmetic task.
+
+verl / DAPO-Math-17k columns: data_source, prompt (chat list of {role, content}),
+ability, reward_model {ground_truth, style}, extra_info {index}. The published
+file repeats its 17,917 prompts about 100 times: loading de-duplicates on the
+prompt and logs how many rows were dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+    "{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+REQUIRED_COLUMNS = ("prompt", "reward_model")
+EMBEDDED_SOURCE = "dapo-flyte/arithmetic"
+
+VERL_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.int64())])),
+    ]
+)
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names file, row and column."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    uid: str
+    messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
+    ground_truth: str
+    data_source: str = ""
+
+    @property
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+@dataclass
+class LoadReport:
+    path: str
+    rows_read: int
+    duplicates_dropped: int
+    bad_rows_skipped: int
+    kept: int
+
+
+# --- the embedded arithmetic task --------------------------------------------------
+# Difficulty levels: (operator, digits of a, digits of b). Level 0 is what a barely
+# warmed-up tiny model gets right; level 3 it almost never does at first.
+DIFFICULTY_LEVELS = (
+    ("+", 1, 1),
+    ("+", 2, 1),
+    ("+", 2, 2),
+    ("-", 2, 2),
+)
+
+
+def arithmetic_problem(rng: random.Random, level: int) -> tuple[str, str]:
+    """One problem and its integer answer at a difficulty level."""
+    op, digits_a, digits_b = DIFFICULTY_LEVELS[level]
+    a = rng.randint(10 ** (digits_a - 1) if digits_a > 1 else 0, 10**digits_a - 1)
+    b = rng.randint(10 ** (digits_b - 1) if digits_b > 1 else 0, 10**digits_b - 1)
+    answer = a + b if op == "+" else a - b
+    return f"What is {a} {op} {b}?", str(answer)
+
+
+def make_arithmetic_table(n_rows: int, seed: int, levels: tuple[int, ...] | None = None) -> pa.Table:
+    """n_rows distinct arithmetic problems in verl / DAPO-Math-17k format."""
+    rng = random.Random(seed)
+    levels = levels if levels is not None else tuple(range(len(DIFFICULTY_LEVELS)))
+    seen: set[str] = set()
+    rows = []
+    attempts = 0
+    while len(rows) < n_rows:
+        attempts += 1
+        if attempts > 50 * n_rows:
+            raise DataError(f"cannot draw {n_rows} distinct problems at levels {levels}")
+        problem, answer = arithmetic_problem(rng, rng.choice(levels))
+        if problem in seen:
+            continue
+        seen.add(problem)
+        rows.append(
+            {
+                "data_source": EMBEDDED_SOURCE,
+                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": len(rows)},
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=VERL_SCHEMA)
+
+
+def write_embedded_splits(directory: str | Path, seed: int, n_train: int = 4000, n_val: int = 256) -> tuple[Path, Path]:
+    """Train and validation parquet files of the embedded task, with disjoint problems."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    both = make_arithmetic_table(n_train + n_val, seed)
+    train_path, val_path = directory / "train.parquet", directory / "val.parquet"
+    pq.write_table(both.slice(0, n_train), train_path)
+    pq.write_table(both.slice(n_train, n_val), val_path)
+    return train_path, val_path
+
+
+# --- loading verl-format files -----------------------------------------------------
+def _bad_row(path: str, row: int, column: str, problem: str) -> DataError:
+    return DataError(f"{path}: row {row}, column {column!r}: {problem}")
+
+
+def _parse_row(path: str, row_index: int, row: dict) -> PromptRecord:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad_row(path, row_index, "prompt", f"expected a non-empty chat list, got {type(prompt).__name__}")
+    messages = []
+    for turn in prompt:
+        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
+            raise _bad_row(path, row_index, "prompt", "every turn needs string 'role' and 'content'")
+        messages.append((turn["role"], turn["content"]))
+    if not any(content.strip() for _, content in messages):
+        raise _bad_row(path, row_index, "prompt", "empty prompt text")
+    reward_model = row.get("reward_model")
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if isinstance(truth, (int, float)) and not isinstance(truth, bool):
+        truth = str(truth)  # integers by construction in DAPO-Math-17k; keep their text form
+    if not isinstance(truth, str) or not truth.strip():
+        raise _bad_row(path, row_index, "reward_model.ground_truth", f"expected a non-empty string, got {truth!r}")
+    extra = row.get("extra_info")
+    index = extra.get("index") if isinstance(extra, dict) else None
+    uid = str(index) if index is not None else str(row_index)
+    return PromptRecord(uid=uid, messages=tuple(messages), ground_truth=truth.strip(), data_source=str(row.get("data_source") or ""))
+
+
+def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[PromptRecord], LoadReport]:
+    """Read a verl-format parquet file into de-duplicated prompt records.
+
+    on_bad_row="error" raises DataError naming the file, row and column of the first
+    malformed row; "skip" drops malformed rows and counts them in the report.
+    """
+    path = str(path)
+    if not Path(path).exists():
+        raise DataError(f"{path}: no such data file")
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for unreadable files
+        raise DataError(f"{path}: not a readable parquet file ({error})") from error
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; found {table.column_names} (expected verl / DAPO-Math-17k format)")
+    if table.num_rows == 0:
+        raise DataError(f"{path}: the file has no rows")
+
+    records: list[PromptRecord] = []
+    seen: set[tuple] = set()
+    duplicates = skipped = 0
+    for row_index, row in enumerate(table.select([c for c in table.column_names]).to_pylist()):
+        try:
+            record = _parse_row(path, row_index, row)
+        except DataError:
+            if on_bad_row == "error":
+                raise
+            skipped += 1
+            logger.warning("skipping malformed row %d of %s", row_index, path, exc_info=True)
+            continue
+        if record.messages in seen:
+            duplicates += 1
+            continue
+        seen.add(record.messages)
+        records.append(record)
+    uids = [r.uid for r in records]
+    if len(set(uids)) != len(uids):  # group ids are built from uids: they must be unique
+        logger.warning("%s: extra_info.index is not unique; using row positions as prompt ids", path)
+        records = [PromptRecord(str(i), r.messages, r.ground_truth, r.data_source) for i, r in enumerate(records)]
+    if not records:
+        raise DataError(f"{path}: no usable rows ({skipped} malformed, {duplicates} duplicates)")
+    report = LoadReport(path, table.num_rows, duplicates, skipped, len(records))
+    if duplicates or skipped:
+        logger.info("%s: %d rows, dropped %d duplicate prompts, skipped %d malformed rows, kept %d", path, table.num_rows, duplicates, skipped, len(records))
+    return records, report
+
+
+def render_prompt(record: PromptRecord, tokenizer) -> str:
+    """The prompt text the policy sees: the tokenizer's chat template applied to the chat."""
+    return tokenizer.apply_chat_template(record.chat, tokenize=False, add_generation_prompt=True)

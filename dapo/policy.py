@@ -1,0 +1,156 @@
+"""The embedded default policy: a tiny Qwen2 with its own tokenizer, built offline.
+
+No hub download is possible (or wanted) for the default run, so the starting policy
+is made here: a byte-level BPE tokenizer trained on the task's own text (digits
+split one per token, as Qwen2's tokenizer does), a small Qwen2-architecture model
+with untied embeddings (vLLM's in-place weight reload needs untied ones), and a
+short supervised warm start so that the policy solves a minority of problems:
+groups are then mixed, and RL has signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dapo.data import DAPO_PROMPT_TEMPLATE, DIFFICULTY_LEVELS, arithmetic_problem
+
+logger = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+# The tiny tokenizer's chat template: the user turns verbatim, then a newline.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}\n{% endif %}"
+
+
+@dataclass
+class TinyPolicySpec:
+    vocab_size: int = 384
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    warm_start_steps: int = 300
+    warm_start_batch: int = 32
+    warm_start_lr: float = 2e-3
+    seed: int = 0
+
+
+def response_text(answer: str) -> str:
+    """The answer layout the DAPO prompt asks for, as the warm start teaches it."""
+    return f"Answer: {answer}"
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int):
+    """Byte-level BPE with single-digit tokens, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def warm_start_examples(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """(prompt text, response text) pairs of the embedded task, all difficulty levels."""
+    examples = []
+    for _ in range(n):
+        problem, answer = arithmetic_problem(rng, rng.randrange(len(DIFFICULTY_LEVELS)))
+        prompt = DAPO_PROMPT_TEMPLATE.format(problem=problem) + "\n"
+        examples.append((prompt, response_text(answer)))
+    return examples
+
+
+def build_tiny_policy(output_dir: str | Path, spec: TinyPolicySpec | None = None, progress=None) -> dict[str, float]:
+    """Train the tokenizer, build the model, warm-start it and save both to output_dir.
+
+    Returns warm-start metrics. progress, if given, is called as progress(step, total, loss).
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = spec or TinyPolicySpec()
+    output_dir = Path(output_dir)
+    rng = random.Random(spec.seed)
+    torch.manual_seed(spec.seed)
+    started = time.perf_counter()
+
+    corpus_pairs = warm_start_examples(rng, 2000)
+    tokenizer = build_tokenizer([p + r for p, r in corpus_pairs], spec.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    losses = warm_start(model, tokenizer, rng, spec, progress)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    return {
+        "warm_start_loss_first": losses[0],
+        "warm_start_loss_last": losses[-1],
+        "warm_start_seconds": time.perf_counter() - started,
+        "parameters": float(sum(p.numel() for p in model.parameters())),
+    }
+
+
+def warm_start(model, tokenizer, rng: random.Random, spec: TinyPolicySpec, progress=None) -> list[float]:
+    """Supervised fine-tuning on response tokens only, cosine-decayed, deliberately short."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, weight_decay=0.0)
+    eos = tokenizer.eos_token_id
+    losses = []
+    model.train()
+    for step in range(spec.warm_start_steps):
+        pairs = warm_start_examples(rng, spec.warm_start_batch)
+        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
+        responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for _, r in pairs]
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        input_ids = torch.full((len(pairs), width), eos, dtype=torch.long)
+        labels = torch.full_like(input_ids, -100)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (p, r) in enumerate(zip(prompts, responses)):
+            input_ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
+            attention_mask[row, : len(p) + len(r)] = 1
+        for group in optimizer.param_groups:
+            group["lr"] = spec.warm_start_lr * 0.5 * (1 + math.cos(math.pi * step / spec.warm_start_steps))
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step + 1, spec.warm_start_steps, losses[-1])
+    model.eval()
+    return losses

@@ -1,0 +1,57 @@
+"""DAPOConfig: paper defaults, presets and validation messages."""
+
+import pytest
+
+from dapo.config import ConfigError, DAPOConfig
+
+
+def test_defaults_are_the_papers():
+    c = DAPOConfig()
+    assert (c.clip_low, c.clip_high) == (0.2, 0.28)
+    assert c.loss_agg_mode == "token-mean"
+    assert (c.max_response_length, c.overlong_buffer_len, c.overlong_penalty_factor) == (20480, 4096, 1.0)
+    assert (c.n_samples_per_prompt, c.train_prompt_bsz, c.gen_prompt_bsz) == (16, 512, 1536)
+    assert c.updates_per_step == 16
+    assert (c.lr, c.weight_decay, c.grad_clip) == (1e-6, 0.1, 1.0)
+    assert (c.val_temperature, c.val_top_p) == (1.0, 0.7)
+
+
+def test_paper_preset_has_no_format_reward_and_tiny_is_small():
+    paper = DAPOConfig.paper_32b()
+    assert paper.format_reward_weight == 0.0
+    assert paper.trainer_nnodes * paper.trainer_nproc_per_node == 128
+    tiny = DAPOConfig.tiny_cpu()
+    assert tiny.dtype == "float32" and tiny.max_response_length < 100
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("clip_low", 1.2, "clip_low=1.2: eps_low must lie in \\(0, 1\\)"),
+        ("clip_low", 0.0, "clip_low"),
+        ("clip_high", -0.1, "clip_high"),
+        ("overlong_buffer_len", 30000, "overlong_buffer_len=30000: L_cache"),
+        ("n_samples_per_prompt", 1, "n_samples_per_prompt=1: G must be >= 2"),
+        ("loss_agg_mode", "sum", "loss_agg_mode='sum'"),
+        ("gen_prompt_bsz", 10, "gen_prompt_bsz=10: must be >= train_prompt_bsz"),
+        ("clip_ratio_c", 0.5, "clip_ratio_c"),
+        ("rollout_backend", "sglang", "rollout_backend"),
+        ("top_p", 0.0, "top_p"),
+    ],
+)
+def test_invalid_values_are_named(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        DAPOConfig().replace(**{field: value})
+
+
+def test_unknown_fields_and_presets_are_refused():
+    with pytest.raises(ConfigError, match="unknown DAPOConfig field\\(s\\): clip_hgh"):
+        DAPOConfig.from_dict({"clip_hgh": 0.3})
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        DAPOConfig.preset("huge")
+
+
+def test_round_trip_and_overrides():
+    c = DAPOConfig.preset("tiny_cpu", {"total_steps": 7, "clip_high": 0.3})
+    assert c.total_steps == 7 and c.clip_high == 0.3
+    assert DAPOConfig.from_dict(c.to_dict()) == c
