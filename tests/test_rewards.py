@@ -1,0 +1,502 @@
+"""Tests for dapo.rewards: DAPO's rule reward, soft overlong punishment and format reward."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dapo import rewards
+from dapo.rewards import (
+    correctness_reward,
+    extract_answer,
+    format_reward_weight,
+    format_score,
+    normalize_answer,
+    overlong_penalty,
+    score_response,
+    verify_answer,
+)
+
+# Slack for process scheduling on a loaded CI box, on top of the call's own time limit.
+MARGIN_S = 1.0
+REASONING = "Let me think step by step. We have x + 1 = 2, so x = 1.\n" * 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_worker():
+    """Start the math-verify worker once, so timing asserts measure verification, not imports."""
+    assert verify_answer("Answer: 1/2", "0.5")
+    yield
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.monotonic()
+    out = fn(*args, **kwargs)
+    return out, time.monotonic() - t0
+
+
+# --------------------------------------------------------------------------- overlong
+
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [
+        (0, 0.0),
+        (16384, 0.0),  # exactly L_max - L_cache: no penalty yet
+        (16385, -1 / 4096),  # first token inside the buffer
+        (18432, -0.5),  # middle of the buffer
+        (20479, -4095 / 4096),
+        (20480, -1.0),  # exactly L_max: the whole buffer used
+        (20481, -1.0),  # beyond L_max
+        (10**9, -1.0),
+    ],
+)
+def test_overlong_paper_defaults(length, expected):
+    assert overlong_penalty(length, max_len=20480, buffer_len=4096) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [(5, 0.0), (6, 0.0), (7, -0.125), (8, -0.25), (9, -0.375), (10, -0.5), (11, -0.5)],
+)
+def test_overlong_small_hand_computed_with_factor(length, expected):
+    # L_max=10, L_cache=4, factor 0.5: penalty ((10-4) - |y|) / 4 * 0.5 inside (6, 10].
+    assert overlong_penalty(length, 10, 4, factor=0.5) == pytest.approx(expected)
+
+
+def test_overlong_zero_buffer_is_a_hard_step():
+    assert overlong_penalty(100, 100, 0) == 0.0
+    assert overlong_penalty(101, 100, 0) == -1.0
+    assert overlong_penalty(101, 100, 0, factor=2.0) == -2.0
+
+
+def test_overlong_full_buffer():
+    # buffer_len == max_len: every token counts, linear from 0 to -1.
+    assert overlong_penalty(0, 8, 8) == 0.0
+    assert overlong_penalty(2, 8, 8) == pytest.approx(-0.25)
+    assert overlong_penalty(8, 8, 8) == -1.0
+
+
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        ((10, 100, 101), "buffer_len"),
+        ((10, 100, -1), "buffer_len"),
+        ((-1, 100, 10), "length"),
+        ((10, 0, 0), "max_len"),
+        ((10, -5, 0), "max_len"),
+        ((10, 100, 10, -1.0), "factor"),
+        ((10, 100, 10, float("nan")), "factor"),
+    ],
+)
+def test_overlong_rejects_bad_arguments(args, bad):
+    with pytest.raises(ValueError, match=bad):
+        overlong_penalty(*args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_len=st.integers(1, 50_000),
+    frac=st.floats(0, 1),
+    factor=st.floats(0, 10),
+    a=st.integers(0, 60_000),
+    b=st.integers(0, 60_000),
+)
+def test_overlong_bounded_and_monotone(max_len, frac, factor, a, b):
+    buffer_len = int(frac * max_len)
+    pa = overlong_penalty(a, max_len, buffer_len, factor)
+    pb = overlong_penalty(b, max_len, buffer_len, factor)
+    assert -factor - 1e-9 <= pa <= 0.0
+    if a <= b:
+        assert pb <= pa + 1e-12
+
+
+# --------------------------------------------------------------------------- format
+
+
+def test_format_weight_linear_decay():
+    assert format_reward_weight(0, 100) == 1.0
+    assert format_reward_weight(25, 100) == pytest.approx(0.75)
+    assert format_reward_weight(50, 100) == pytest.approx(0.5)
+    assert format_reward_weight(99, 100) == pytest.approx(0.01)
+    assert format_reward_weight(100, 100) == 0.0
+    assert format_reward_weight(1000, 100) == 0.0
+    assert format_reward_weight(10, 20, initial_weight=0.4) == pytest.approx(0.2)
+
+
+def test_format_weight_zero_decay_steps_means_off():
+    assert format_reward_weight(0, 0) == 0.0
+    assert format_reward_weight(5, 0, initial_weight=3.0) == 0.0
+
+
+@pytest.mark.parametrize("args", [(-1, 10), (0, -1)])
+def test_format_weight_rejects_negative(args):
+    with pytest.raises(ValueError):
+        format_reward_weight(*args)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (REASONING + "Answer: 42", 1.0),
+        (REASONING + "Answer: 42\n\n  ", 1.0),  # trailing blank lines are fine
+        (REASONING + "**Answer:** $\\frac{1}{2}$", 1.0),
+        (REASONING + "answer: 7", 1.0),
+        (REASONING + "Answer: 42\nHope this helps!", 0.0),  # not the final line
+        (REASONING + "Answer:", 0.0),  # empty answer
+        (REASONING + "Answer:   **", 0.0),
+        (REASONING + "The answer is \\boxed{42}", 0.0),  # boxed is not the asked layout
+        ("", 0.0),
+        ("Answer: " + "9" * 10_000, 0.0),  # final line longer than the scan window
+    ],
+)
+def test_format_score(text, expected):
+    assert format_score(text) == expected
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Answer: 42", "42"),
+        (REASONING + "Answer: 42\n", "42"),
+        ("  **Answer:** 17", "17"),
+        ("**Answer: 17**", "17"),
+        ("## Final Answer: $3$", "$3$"),
+        ("ANSWER: -5", "-5"),
+        ("Answer: 3\nWait, let me recheck.\nAnswer: 4\nAnswer: 5\n", "5"),  # last line wins
+        ("Answer: 3\nAnswer:\n", "3"),  # an empty Answer line is skipped
+        ("The Answer: 3 is not at the line start", None),
+        ("so the result is \\boxed{12}.", "12"),
+        ("\\boxed{1} then \\boxed{2}", "2"),  # last box
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}"),  # nested braces
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces do not count
+        ("\\boxed {7}", "7"),
+        ("\\fbox{8}", "8"),
+        ("$\\boxed 9$", "9"),
+        ("\\boxed{1} and a truncated \\boxed{\\frac{2}{", "1"),  # unbalanced last box
+        ("\\boxedx{1}", None),
+        ("Answer: 5\n\\boxed{6}", "5"),  # the Answer line has priority
+        ("Answer:\n\\boxed{9}", "9"),
+        ("no answer here", None),
+        ("", None),
+        ("\\boxed{}", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_only_scans_the_tail():
+    far = "Answer: 1\n" + "x" * (rewards.ANSWER_SCAN_CHARS + 10)
+    assert extract_answer(far) is None
+    near = "Answer: 1\n" + "x" * (rewards.ANSWER_SCAN_CHARS - 100)
+    assert extract_answer(near) == "1"
+
+
+# --------------------------------------------------------------------------- normalization
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("42", "42"),
+        (" $42$ ", "42"),
+        ("\\$12", "12"),
+        ("12 dollars", "12"),
+        ("1,000", "1000"),
+        ("1{,}000", "1000"),
+        ("1\\,000", "1000"),
+        ("12,345.50", "12345.5"),
+        ("1,2", "1, 2"),  # a list, not a thousands separator
+        ("1, 234", "1, 234"),
+        ("42.", "42"),
+        ("\\dfrac{1}{2}", "\\frac{1}{2}"),
+        ("\\tfrac12", "\\frac{1}{2}"),
+        ("\\left( 1, 2 \\right)", "(1, 2)"),
+        ("5 cm", "5"),
+        ("5\\text{ cm}", "5"),
+        ("5 \\mbox{cm}^2", "5"),
+        ("12 sq units", "12"),
+        ("5m", "5m"),  # a bare single letter may be a product: kept
+        ("5 m", "5"),
+        ("30^\\circ", "30"),
+        ("30^{\\circ}", "30"),
+        ("30°", "30"),
+        ("10\\%", "10"),
+        ("x = 5", "5"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\u22125", "-5"),  # unicode minus
+        ("-007.50", "-7.5"),
+        ("+3", "3"),
+        ("-0", "0"),
+        ("\\text{yes}", "yes"),
+        ("\\sqrt2", "\\sqrt{2}"),
+    ],
+)
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@pytest.mark.parametrize(
+    "text, gt",
+    [
+        ("Answer: 42", "42"),
+        (REASONING + "Answer: $42$.", "42"),
+        ("Answer: \\frac{1}{2}", "0.5"),
+        ("Answer: 0.5", "\\frac{1}{2}"),
+        ("Answer: 1/2", "\\frac{1}{2}"),
+        ("Answer: $\\dfrac{1}{2}$", "\\frac{1}{2}"),
+        ("Answer: $\\dfrac{3}{4}$", "0.75"),
+        ("Answer: 1,000", "1000"),
+        ("Answer: \\$1,000.", "1000"),
+        ("Answer: 5 cm", "5"),
+        ("Answer: $5\\text{ cm}$", "5"),
+        ("Answer: 12 dollars", "12"),
+        ("Answer: 12 ways", "12"),  # count noun: math-verify's job
+        ("Answer: -3", "-3"),
+        ("Answer: $-\\frac{2}{3}$", "-\\frac{2}{3}"),
+        ("Answer: 3\nHmm, no.\nAnswer: 4", "4"),
+        ("we get \\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}"),
+        ("so \\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
+        ("Answer: x = 5", "5"),
+        ("Answer: 2", 2),  # ground truth stored as an int
+    ],
+)
+def test_verify_true(text, gt):
+    assert verify_answer(text, gt) is True
+    assert correctness_reward(text, gt) == 1.0
+
+
+@pytest.mark.parametrize(
+    "text, gt",
+    [
+        ("Answer: 12", "21"),
+        ("Answer: 1/2", "2"),
+        ("Answer: \\frac{1}{2}", "2"),
+        ("Answer: -5", "5"),
+        ("Answer: 5", "-5"),
+        ("Answer: 3\nAnswer: 4", "3"),  # only the last answer counts
+        ("Answer: 1,2", "12"),
+        ("Answer: 12.0000001", "12"),
+        ("The result is 42 but I never say it in the asked form", "42"),  # nothing extracted
+        ("", "42"),
+        ("Answer: 42", ""),
+        ("Answer: \\text{five}", "5"),
+        ("Answer: \\sqrt{2}", "2"),
+        # hedging must not pay: several candidates are not an answer
+        ("Answer: 5 or 6", "5"),
+        ("Answer: 5 or 6", "6"),
+        ("Answer: $5$ or $6$", "5"),
+        ("Answer: 4, 5", "5"),
+        ("Answer: 1,2,3,4,5", "5"),
+    ],
+)
+def test_verify_false(text, gt):
+    assert verify_answer(text, gt) is False
+    assert correctness_reward(text, gt) == -1.0
+
+
+def test_verify_rejects_bad_timeout():
+    with pytest.raises(ValueError, match="timeout_s"):
+        verify_answer("Answer: 1", "1", timeout_s=0)
+
+
+def test_verify_non_string_inputs_are_false():
+    assert verify_answer(None, "1") is False  # type: ignore[arg-type]
+    assert verify_answer("Answer: 1", None) is False  # type: ignore[arg-type]
+
+
+def test_verify_from_a_non_main_thread():
+    results: dict[str, bool] = {}
+
+    def run():
+        results["mv"] = verify_answer("Answer: 0.25", "\\frac{1}{4}")  # math-verify path
+        results["exact"] = verify_answer("Answer: 7", "7")
+        results["wrong"] = verify_answer("Answer: \\frac{1}{3}", "3")
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert results == {"mv": True, "exact": True, "wrong": False}
+
+
+def test_verify_concurrent_threads():
+    cases = [(f"Answer: \\frac{{1}}{{{k}}}", str(1 / k), True) for k in (2, 4, 5, 8)]
+    cases += [(f"Answer: \\frac{{1}}{{{k}}}", str(k), False) for k in (2, 4, 5, 8)]
+    out: list[tuple[bool, bool]] = []
+    lock = threading.Lock()
+
+    def run(text, gt, want):
+        got = verify_answer(text, gt)
+        with lock:
+            out.append((got, want))
+
+    threads = [threading.Thread(target=run, args=c) for c in cases * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(out) == len(cases) * 2
+    assert all(got == want for got, want in out)
+
+
+# --------------------------------------------------------------------------- adversarial
+
+
+def _junk(n: int, seed: int) -> bytes:
+    import random
+
+    return random.Random(seed).randbytes(n)
+
+
+ADVERSARIAL = {
+    "1MB of prose": "word " * 200_000,
+    "1MB then an answer": "word " * 200_000 + "\nAnswer: 42",
+    "1MB of {": "{" * (1 << 20),
+    "1MB of \\boxed{": "\\boxed{" * 150_000,
+    "100k nested braces in a box": "\\boxed{" + "{" * 100_000 + "1" + "}" * 100_000 + "}",
+    "100k open braces in a box at the end": "x\n\\boxed{" + "{" * 100_000,
+    "Answer: huge LaTeX": "Answer: " + "\\frac{1}{" * 50_000 + "2" + "}" * 50_000,
+    "Answer: huge LaTeX under the scan window": "Answer: $" + "\\sqrt{" * 300 + "2" + "}" * 300 + "$",
+    "Answer: 600 nested parens (slow sympy parse)": "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$",
+    "Answer: tower of powers": "Answer: $9^{9^{9}}$",
+    "Answer: huge factorial": "Answer: $(10^{6})!$",
+    "binary junk latin-1": _junk(1 << 20, 0).decode("latin-1"),
+    "binary junk surrogateescape + answer": _junk(1 << 16, 1).decode("utf-8", "surrogateescape")
+    + "\nAnswer: "
+    + _junk(200, 2).decode("utf-8", "surrogateescape").replace("\n", " "),
+    "NUL bytes": "\x00" * 100_000 + "\nAnswer: \x00\x00",
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_returns_bool_within_limit(name):
+    text = ADVERSARIAL[name]
+    limit = 0.5
+    got, elapsed = timed(verify_answer, text, "5", timeout_s=limit)
+    assert isinstance(got, bool)
+    assert got is False
+    assert elapsed < limit + MARGIN_S, f"{name}: {elapsed:.2f}s"
+    # the helpers must be just as robust
+    _, t_extract = timed(extract_answer, text)
+    _, t_format = timed(format_score, text)
+    assert t_extract < 0.2 and t_format < 0.2
+
+
+def test_hard_kill_when_worker_cannot_interrupt_itself(monkeypatch):
+    # Without the worker's own soft deadline, only the caller's hard kill can stop it.
+    monkeypatch.setattr(rewards, "_SOFT_DEADLINE_FRACTION", None)
+    got, elapsed = timed(verify_answer, "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$", "5", timeout_s=0.3)
+    assert got is False
+    assert elapsed < 0.3 + MARGIN_S
+    monkeypatch.undo()
+    # the pool recovers: a replacement worker answers the next call
+    assert verify_answer("Answer: 0.2", "\\frac{1}{5}") is True
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(max_size=300))
+def test_verify_never_raises_on_arbitrary_answers(s):
+    t0 = time.monotonic()
+    assert isinstance(verify_answer("Answer: " + s, "12", timeout_s=0.5), bool)
+    assert isinstance(verify_answer(s, s, timeout_s=0.5), bool)
+    assert time.monotonic() - t0 < 2 * (0.5 + MARGIN_S)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(list("0123456789.,-+ $\\{}()^=xcm%") + ["\\frac", "\\text{ cm}", "\\boxed", "\\left("]),
+        max_size=30,
+    ).map("".join)
+)
+def test_normalize_is_idempotent_and_total(s):
+    once = normalize_answer(s)
+    assert normalize_answer(once) == once
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-(10**12), 10**12))
+def test_integers_in_any_common_dress_verify_exactly(n):
+    formatted = f"{n:,}"
+    for text in (f"Answer: {n}", f"Answer: ${n}$.", f"Answer: {formatted}", f"\\boxed{{{n}}}"):
+        assert verify_answer(text, str(n)) is True
+    assert verify_answer(f"Answer: {n + 1}", str(n)) is False
+
+
+# --------------------------------------------------------------------------- score_response
+
+
+def test_score_response_correct_inside_buffer_with_format():
+    out = score_response(
+        REASONING + "Answer: 42",
+        "42",
+        18432,
+        max_len=20480,
+        buffer_len=4096,
+        overlong_factor=1.0,
+        format_weight=0.5,
+    )
+    assert set(out) == {"reward", "acc", "correctness", "overlong_penalty", "format_score"}
+    assert out["acc"] == 1.0 and out["correctness"] == 1.0
+    assert out["overlong_penalty"] == pytest.approx(-0.5)
+    assert out["format_score"] == 1.0
+    assert out["reward"] == pytest.approx(1.0 - 0.5 + 0.5)
+
+
+def test_score_response_wrong_truncated_no_format():
+    out = score_response(
+        REASONING + "and so on",
+        "42",
+        20480,
+        max_len=20480,
+        buffer_len=4096,
+        overlong_factor=1.0,
+        format_weight=1.0,
+    )
+    assert out == {"reward": -2.0, "acc": 0.0, "correctness": -1.0, "overlong_penalty": -1.0, "format_score": 0.0}
+
+
+def test_score_response_paper_setting_ignores_format():
+    out = score_response("\\boxed{7}", "7", 10, max_len=100, buffer_len=20, overlong_factor=1.0, format_weight=0.0)
+    assert out["reward"] == 1.0 and out["format_score"] == 0.0 and out["acc"] == 1.0
+
+
+def test_worker_is_a_separate_process():
+    # verify_answer must not run math-verify (or its signal.alarm) in the caller's process.
+    pool = rewards._get_pool()
+    assert verify_answer("Answer: 0.125", "\\frac{1}{8}")
+    with pool._cond:
+        pids = [w.proc.pid for w in pool._idle]
+    assert pids and os.getpid() not in pids
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import json; print(json.dumps({'ready': False, 'err': 'no math_verify'}), flush=True)",
+        "import sys; sys.exit(3)",  # dies before saying ready
+    ],
+)
+def test_broken_worker_degrades_to_exact_matching(monkeypatch, caplog, source):
+    monkeypatch.setattr(rewards, "_WORKER_SOURCE", source)
+    monkeypatch.setattr(rewards, "_POOL", rewards._VerifierPool(2))
+    with caplog.at_level("WARNING", logger="dapo.rewards"):
+        for _ in range(rewards._MAX_START_FAILURES + 1):
+            assert verify_answer("Answer: 1/2", "0.5") is False  # needs math-verify
+        assert verify_answer("Answer: 1,000", "1000") is True  # exact path unaffected
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "only exact matches" in warnings[0].getMessage()
+    rewards._POOL.close()
