@@ -1,0 +1,339 @@
+"""The DAPO step as plain functions: what each Flyte task calls, and what tests call.
+
+    prepare_data -> bootstrap_policy -> [rollout -> verify_rewards -> filter_groups]+
+                 -> policy_step -> evaluate
+
+Every function takes the config and plain paths or pyarrow tables, and derives its
+randomness from (config.seed, step, round) so that a re-run reproduces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dapo import checkpoint
+from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from dapo.config import DAPOConfig
+from dapo.data import PromptRecord, load_prompts, render_prompt, write_embedded_splits
+from dapo.rewards import format_reward_weight, score_response
+from dapo.sampling import informative_groups
+
+logger = logging.getLogger(__name__)
+
+TRAIN_FILE, VAL_FILE = "train.parquet", "val.parquet"
+
+
+def derived_seed(config: DAPOConfig, *parts: int | str) -> int:
+    """A stable 31-bit seed for one (step, round, purpose)."""
+    return random.Random(json.dumps([config.seed, *parts])).randrange(2**31)
+
+
+# --- data and policy ---------------------------------------------------------------
+def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
+    """Write validated, de-duplicated train/val parquet files into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not config.train_data_path:
+        write_embedded_splits(out_dir, seed=config.seed)
+        sources = {TRAIN_FILE: out_dir / TRAIN_FILE, VAL_FILE: out_dir / VAL_FILE}
+    else:
+        if not config.val_data_path:
+            raise ValueError("val_data_path is required when train_data_path is set")
+        sources = {TRAIN_FILE: Path(config.train_data_path), VAL_FILE: Path(config.val_data_path)}
+    stats: dict[str, float] = {}
+    for name, source in sources.items():
+        records, report = load_prompts(source, on_bad_row=config.on_bad_row)
+        write_records(records, out_dir / name)
+        split = name.split(".")[0]
+        stats.update({f"data/{split}_rows": report.rows_read, f"data/{split}_kept": report.kept,
+                      f"data/{split}_duplicates": report.duplicates_dropped, f"data/{split}_bad_rows": report.bad_rows_skipped})
+    return stats
+
+
+def write_records(records: list[PromptRecord], path: Path) -> None:
+    """Normalised records back to verl format (so later tasks read one clean schema)."""
+    from dapo.data import VERL_SCHEMA
+
+    rows = [
+        {
+            "data_source": r.data_source,
+            "prompt": r.chat,
+            "ability": "MATH",
+            "reward_model": {"ground_truth": r.ground_truth, "style": "rule"},
+            "extra_info": {"index": int(r.uid) if r.uid.isdigit() else i},
+        }
+        for i, r in enumerate(records)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows, schema=VERL_SCHEMA), path)
+
+
+def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> dict[str, float]:
+    """The starting checkpoint: the embedded tiny policy, or a copy of config.model_path."""
+    out_dir = Path(out_dir)
+    if not config.model_path:
+        from dapo.policy import TinyPolicySpec, build_tiny_policy
+
+        return build_tiny_policy(out_dir, TinyPolicySpec(seed=config.seed), progress=progress)
+    source = Path(config.model_path)
+    if source.is_dir():
+        shutil.copytree(source, out_dir, dirs_exist_ok=True)
+    else:  # a hub name: the cluster images can reach the hub, this machine cannot
+        from huggingface_hub import snapshot_download
+
+        try:
+            snapshot_download(config.model_path, local_dir=out_dir)
+        except Exception as error:
+            raise RuntimeError(f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}") from error
+    if not (out_dir / "config.json").exists():
+        raise FileNotFoundError(f"model_path={config.model_path!r}: no config.json in the checkpoint")
+    return {}
+
+
+# --- rollout -----------------------------------------------------------------------
+def choose_prompts(records: list[PromptRecord], n: int, seed: int) -> list[PromptRecord]:
+    """n prompts for one generation round (without replacement while the set allows)."""
+    rng = random.Random(seed)
+    if n <= len(records):
+        return rng.sample(records, n)
+    return [rng.choice(records) for _ in range(n)]
+
+
+def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round_index: int, progress=None) -> tuple[pa.Table, dict[str, float]]:
+    """Sample G responses for each of this round's prompts with the current policy."""
+    from transformers import AutoTokenizer
+
+    from dapo.rollout import SamplingSettings, cached_rollout_engine
+
+    records, _ = load_prompts(Path(data_dir) / TRAIN_FILE)
+    n_prompts = config.gen_prompt_bsz if config.dynamic_sampling else config.train_prompt_bsz
+    chosen = choose_prompts(records, n_prompts, derived_seed(config, "prompts", step, round_index))
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    texts = [render_prompt(r, tokenizer) for r in chosen]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    keep = [i for i, n in enumerate(lengths) if n <= config.max_prompt_length]
+    if len(keep) < len(chosen):
+        logger.warning("step %d round %d: %d prompt(s) longer than max_prompt_length=%d skipped",
+                       step, round_index, len(chosen) - len(keep), config.max_prompt_length)
+    chosen, texts = [chosen[i] for i in keep], [texts[i] for i in keep]
+
+    engine = cached_rollout_engine(
+        config.rollout_backend, policy_dir, dtype=config.dtype,
+        max_model_len=config.max_prompt_length + config.max_response_length,
+        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+    )
+    sampling = SamplingSettings(
+        n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
+        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index),
+    )
+    started = time.perf_counter()
+    completions = engine.generate(texts, sampling, progress=progress)
+    seconds = time.perf_counter() - started
+    rows = []
+    for c in completions:
+        record = chosen[c.prompt_index]
+        rows.append({
+            "group_id": f"s{step}-r{round_index}-p{c.prompt_index}-{record.uid}",
+            "prompt_uid": record.uid,
+            "sample_index": c.sample_index,
+            "prompt": texts[c.prompt_index],
+            "ground_truth": record.ground_truth,
+            "prompt_token_ids": c.prompt_token_ids,
+            "response_token_ids": c.token_ids,
+            "response_text": c.text,
+            "rollout_log_probs": c.log_probs,
+            "truncated": c.truncated,
+        })
+    table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+    tokens = sum(len(c.token_ids) for c in completions)
+    return table, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+# --- rewards and dynamic sampling ----------------------------------------------------
+def verify_rewards(config: DAPOConfig, table: pa.Table, step: int) -> pa.Table:
+    """Score every response: correctness (+1/-1), soft overlong penalty, soft format reward."""
+    weight = format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight)
+    scores = {f.name: [] for f in SCORED_SCHEMA if f.name not in ROLLOUT_SCHEMA.names}
+    for text, truth, ids in zip(
+        table.column("response_text").to_pylist(), table.column("ground_truth").to_pylist(), table.column("response_token_ids").to_pylist()
+    ):
+        score = score_response(
+            text, truth, len(ids),
+            max_len=config.max_response_length,
+            buffer_len=config.overlong_buffer_len,
+            overlong_factor=config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
+            format_weight=weight,
+        )
+        for key in scores:
+            scores[key].append(float(score[key]))
+    for key, values in scores.items():
+        table = table.append_column(SCORED_SCHEMA.field(key), pa.array(values, pa.float32()))
+    return table
+
+
+@dataclass
+class SamplingState:
+    """Progress of one step's dynamic sampling (carried between filter_groups calls)."""
+
+    rounds: int = 0
+    generated_groups: int = 0
+    kept_groups: int = 0
+    done: bool = False
+    rollout_tokens: float = 0.0
+    rollout_seconds: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SamplingState":
+        return cls(**json.loads(text)) if text else cls()
+
+
+def filter_groups(
+    config: DAPOConfig, scored: pa.Table, kept: pa.Table | None, state: SamplingState, rollout_metrics: dict[str, float] | None = None
+) -> tuple[pa.Table, SamplingState]:
+    """Add this round's informative groups to the batch (all groups without dynamic sampling)."""
+    rollout_metrics = rollout_metrics or {}
+    group_ids = scored.column("group_id").to_pylist()
+    all_groups = list(dict.fromkeys(group_ids))
+    if config.dynamic_sampling:
+        metric = scored.column(config.filter_metric).to_pylist()
+        keep_ids = informative_groups(metric, group_ids)
+    else:
+        keep_ids = all_groups
+    keep_set = set(keep_ids)
+    mask = pa.array([g in keep_set for g in group_ids], type=pa.bool_())
+    round_kept = scored.filter(mask)
+    batch = round_kept if kept is None or kept.num_rows == 0 else pa.concat_tables([kept, round_kept])
+    state = SamplingState(
+        rounds=state.rounds + 1,
+        generated_groups=state.generated_groups + len(all_groups),
+        kept_groups=state.kept_groups + len(keep_ids),
+        rollout_tokens=state.rollout_tokens + rollout_metrics.get("rollout/tokens", 0.0),
+        rollout_seconds=state.rollout_seconds + rollout_metrics.get("rollout/seconds", 0.0),
+    )
+    full = state.kept_groups >= config.train_prompt_bsz
+    out_of_rounds = not config.dynamic_sampling or (config.max_num_gen_batches > 0 and state.rounds >= config.max_num_gen_batches)
+    state.done = full or out_of_rounds
+    if state.done:
+        batch = first_groups(batch, config.train_prompt_bsz)
+    return batch, state
+
+
+def first_groups(table: pa.Table, n_groups: int) -> pa.Table:
+    group_ids = table.column("group_id").to_pylist()
+    chosen = set(list(dict.fromkeys(group_ids))[:n_groups])
+    return table.filter(pa.array([g in chosen for g in group_ids], type=pa.bool_()))
+
+
+def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
+    """Reward, accuracy and length statistics of a scored table."""
+    if scored.num_rows == 0:
+        return {}
+    lengths = [len(ids) for ids in scored.column("response_token_ids").to_pylist()]
+    column = lambda name: scored.column(name).to_pylist()  # noqa: E731
+    return {
+        f"{prefix}reward_mean": sum(column("reward")) / len(lengths),
+        f"{prefix}acc": sum(column("acc")) / len(lengths),
+        f"{prefix}format_score": sum(column("format_score")) / len(lengths),
+        f"{prefix}overlong_penalty_mean": sum(column("overlong_penalty")) / len(lengths),
+        f"{prefix}truncated_frac": sum(column("truncated")) / len(lengths),
+        f"{prefix}response_length_mean": sum(lengths) / len(lengths),
+        f"{prefix}response_length_max": float(max(lengths)),
+    }
+
+
+# --- policy update -----------------------------------------------------------------
+def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path) -> dict[str, float]:
+    """One DAPO update on the filtered batch; writes the next checkpoint to out_dir.
+
+    A batch short of train_prompt_bsz groups is trained on, or skipped when
+    on_short_batch="skip"; an empty one is always skipped. A skipped step writes the
+    unchanged policy (optimizer state included) so the run goes on.
+    """
+    from dapo.trainer import make_trainer, policy_update
+
+    groups = len(set(batch.column("group_id").to_pylist())) if batch.num_rows else 0
+    metrics: dict[str, float] = {
+        "sampling/kept_groups": float(groups),
+        "sampling/rounds": float(state.rounds),
+        "sampling/kept_ratio": state.kept_groups / state.generated_groups if state.generated_groups else 0.0,
+        "rollout/tokens": state.rollout_tokens,
+        "rollout/seconds": state.rollout_seconds,
+        "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,
+        "step/skipped": 0.0,
+    }
+    short = groups < config.train_prompt_bsz
+    if groups == 0 or (short and config.on_short_batch == "skip"):
+        logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
+                       step, groups, state.rounds, config.train_prompt_bsz, config.on_short_batch)
+        copy_checkpoint(policy_dir, out_dir, step)
+        metrics["step/skipped"] = 1.0
+        return metrics
+    if short:
+        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, config.train_prompt_bsz, state.rounds)
+    trainer = make_trainer(config, policy_dir)
+    try:
+        update = policy_update(trainer, batch, config, step, temperature=config.temperature)
+        metrics.update({f"actor/{key}": value for key, value in update.items()})
+        trainer.save(str(out_dir))
+    finally:
+        trainer.close()
+    metrics.update(batch_metrics(batch, prefix="train/"))
+    return metrics
+
+
+def copy_checkpoint(source: str | Path, target: str | Path, step: int) -> None:
+    """The unchanged policy (weights and optimizer state) as the checkpoint of a skipped step."""
+    with checkpoint.atomic_dir(target, step=step) as scratch:
+        shutil.copytree(source, scratch, dirs_exist_ok=True)
+
+
+# --- validation --------------------------------------------------------------------
+def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_samples_table: int = 8) -> tuple[dict[str, float], list[dict]]:
+    """avg@k accuracy on the held-out split at (val_temperature, val_top_p); and a few samples."""
+    from transformers import AutoTokenizer
+
+    from dapo.rollout import SamplingSettings, cached_rollout_engine
+
+    records, _ = load_prompts(Path(data_dir) / VAL_FILE)
+    if config.val_max_prompts:
+        records = records[: config.val_max_prompts]
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    texts = [render_prompt(r, tokenizer) for r in records]
+    engine = cached_rollout_engine(
+        config.rollout_backend, policy_dir, dtype=config.dtype,
+        max_model_len=config.max_prompt_length + config.max_response_length,
+        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+    )
+    sampling = SamplingSettings(
+        n=config.val_n_samples, max_tokens=config.max_response_length,
+        temperature=config.val_temperature, top_p=config.val_top_p, seed=derived_seed(config, "validation"),
+    )
+    completions = engine.generate(texts, sampling)
+    rows = [{
+        "group_id": f"val-{c.prompt_index}", "prompt_uid": records[c.prompt_index].uid, "sample_index": c.sample_index,
+        "prompt": texts[c.prompt_index], "ground_truth": records[c.prompt_index].ground_truth,
+        "prompt_token_ids": c.prompt_token_ids, "response_token_ids": c.token_ids, "response_text": c.text,
+        "rollout_log_probs": c.log_probs, "truncated": c.truncated,
+    } for c in completions]
+    scored = verify_rewards(config, pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), step=10**9)  # no format bonus in validation
+    metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
+    samples = [{"step": step, "problem": r["prompt"][-120:], "ground_truth": r["ground_truth"], "response": r["response_text"],
+                "acc": a} for r, a in zip(rows[:: config.val_n_samples][:n_samples_table], scored.column("acc").to_pylist()[:: config.val_n_samples])]
+    return metrics, samples
+
+
+def load_table(path: str | Path) -> pa.Table:
+    return pq.read_table(path)
+

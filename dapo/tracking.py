@@ -1,0 +1,227 @@
+"""MLflow tracking that never stops training and never loses a record.
+
+Everything the pipeline logs is first a plain JSON record (params, metrics of a
+step, a table of sample completions, a checkpoint to register). `deliver` sends
+records to MLflow and returns the ones it could not send; the pipeline carries
+those forward (as a task output, so they survive pod restarts) and hands them to
+the next delivery. An unreachable server therefore delays records, with a
+warning, and loses none.
+
+One MLflow run per dapo_loop execution: the run is found by its `dapo.run_key`
+tag (so a resumed execution keeps logging into the same run) or created with the
+execution's name. Registered checkpoints get the aliases `newest` (newest step)
+and `champion` (best validation accuracy among the model's versions). MLflow 3
+reserves the alias name `latest`: `models:/<name>/latest` already gives the newest
+version natively, and `models:/<name>@newest` the newest registered by this run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RUN_KEY_TAG = "dapo.run_key"
+NEWEST_ALIAS = "newest"
+CHAMPION_ALIAS = "champion"
+# Server-side refusals that a retry cannot fix; anything else counts as "unavailable".
+PERMANENT_ERROR_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
+MANAGED_TAG = "dapo.managed"
+# Fail fast when the server is down: the default client retries for minutes per call.
+FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+class RegistryNameClash(RuntimeError):
+    """The registered model name exists and was not created by dapo-flyte."""
+
+
+def default_tracking_uri(uri: str = "") -> str:
+    """The given URI, else $MLFLOW_TRACKING_URI, else a sqlite store in the working directory."""
+    if uri:
+        return uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def params_record(params: dict[str, Any]) -> dict:
+    flat = {k: json.dumps(v) if isinstance(v, (dict, list)) else str(v) for k, v in params.items()}
+    return {"kind": "params", "values": flat}
+
+
+def metrics_record(step: int, metrics: dict[str, float]) -> dict:
+    return {"kind": "metrics", "step": int(step), "values": {k: float(v) for k, v in metrics.items()}, "time": time.time()}
+
+
+def table_record(artifact_file: str, rows: list[dict]) -> dict:
+    return {"kind": "table", "artifact_file": artifact_file, "rows": rows}
+
+
+def register_record(model_name: str, checkpoint_uri: str, step: int, val_acc: float) -> dict:
+    """checkpoint_uri: a local directory, or a remote URI that `materialize` turns into one."""
+    return {"kind": "register", "model_name": model_name, "checkpoint_uri": checkpoint_uri, "step": int(step), "val_acc": float(val_acc)}
+
+
+@dataclass
+class RunTarget:
+    tracking_uri: str
+    experiment: str
+    run_key: str
+    run_name: str
+
+
+class Tracker:
+    """A thin MlflowClient wrapper bound to one run, created lazily on first success."""
+
+    def __init__(self, target: RunTarget, materialize: Callable[[str], str] | None = None):
+        for key, value in FAST_FAIL_ENV.items():
+            os.environ.setdefault(key, value)
+        from mlflow.tracking import MlflowClient
+
+        self.target = target
+        self.materialize = materialize or (lambda uri: uri)
+        self.client = MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
+        self._run_id: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        if self._run_id is None:
+            self._run_id = self._find_or_create_run()
+        return self._run_id
+
+    def _find_or_create_run(self) -> str:
+        experiment = self.client.get_experiment_by_name(self.target.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.target.experiment)
+        existing = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.target.run_key}'", max_results=1
+        )
+        if existing:
+            return existing[0].info.run_id
+        run = self.client.create_run(experiment_id, run_name=self.target.run_name, tags={RUN_KEY_TAG: self.target.run_key})
+        return run.info.run_id
+
+    # --- one record ------------------------------------------------------------------
+    def send(self, record: dict) -> None:
+        kind = record["kind"]
+        if kind == "params":
+            from mlflow.entities import Param
+
+            existing = self.client.get_run(self.run_id).data.params
+            fresh = [Param(k, v[:6000]) for k, v in record["values"].items() if k not in existing]
+            for start in range(0, len(fresh), 100):  # MLflow's batch limit
+                self.client.log_batch(self.run_id, params=fresh[start : start + 100])
+        elif kind == "metrics":
+            from mlflow.entities import Metric
+
+            stamp = int(record.get("time", time.time()) * 1000)
+            metrics = [Metric(k, v, stamp, record["step"]) for k, v in record["values"].items()]
+            self.client.log_batch(self.run_id, metrics=metrics)
+        elif kind == "table":
+            self.client.log_table(self.run_id, data=_columns(record["rows"]), artifact_file=record["artifact_file"])
+        elif kind == "register":
+            self.register(record)
+        else:
+            raise ValueError(f"unknown tracking record kind {kind!r}")
+
+    def register(self, record: dict) -> str:
+        """Log the checkpoint as run artifacts and register it; move the aliases."""
+        from mlflow.exceptions import MlflowException
+
+        name = record["model_name"]
+        try:
+            model = self.client.get_registered_model(name)
+            if model.tags.get(MANAGED_TAG) != "true":
+                raise RegistryNameClash(
+                    f"registered model {name!r} exists and was not created by dapo-flyte; "
+                    "choose another register_name (checkpoints are kept as run artifacts meanwhile)"
+                )
+        except MlflowException as error:
+            if "RESOURCE_DOES_NOT_EXIST" not in str(error.error_code):
+                raise
+            self.client.create_registered_model(name, tags={MANAGED_TAG: "true"})
+        artifact_path = f"checkpoints/step_{record['step']:06d}"
+        for version in self.client.search_model_versions(f"name = '{name}'"):
+            if version.run_id == self.run_id and version.tags.get("step") == str(record["step"]):
+                return version.version  # already registered by an earlier, interrupted delivery
+        self.client.log_artifacts(self.run_id, self.materialize(record["checkpoint_uri"]), artifact_path=artifact_path)
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        version = self.client.create_model_version(
+            name, source=source, run_id=self.run_id, tags={"step": str(record["step"]), "val_acc": f"{record['val_acc']:.6f}"}
+        )
+        self.client.set_registered_model_alias(name, NEWEST_ALIAS, version.version)
+        self._update_champion(name)
+        return version.version
+
+    def _update_champion(self, name: str) -> None:
+        versions = self.client.search_model_versions(f"name = '{name}'")
+        scored = [v for v in versions if "val_acc" in v.tags]
+        if scored:
+            # Best accuracy; the later step wins a tie (it trained longer for the same score).
+            best = max(scored, key=lambda v: (float(v.tags["val_acc"]), int(v.tags.get("step", 0))))
+            self.client.set_registered_model_alias(name, CHAMPION_ALIAS, best.version)
+
+
+def _columns(rows: list[dict]) -> dict[str, list]:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def is_permanent(error: Exception) -> bool:
+    """A refusal that retrying cannot fix (a name clash, an invalid value)."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, (RegistryNameClash, ValueError)):
+        return True
+    return isinstance(error, MlflowException) and str(error.error_code) in PERMANENT_ERROR_CODES
+
+
+def deliver(
+    target: RunTarget,
+    records: list[dict],
+    rejected_path: str | Path | None = None,
+    materialize: Callable[[str], str] | None = None,
+) -> list[dict]:
+    """Send records in order; return those not sent (from the first failure on).
+
+    Order is kept so a later step's metrics never overtake an earlier one's. A record
+    the server refuses for good (a registry name clash, an invalid value) is logged as
+    an error and written to rejected_path instead of blocking the queue forever.
+    """
+    if not records:
+        return []
+    try:
+        tracker = Tracker(target, materialize)
+        for index, record in enumerate(records):
+            try:
+                tracker.send(record)
+            except Exception as error:  # any transport or server error: keep it for later
+                if is_permanent(error):
+                    logger.error("MLflow refused a %s record: %s", record["kind"], error)
+                    if rejected_path:
+                        spill([record], rejected_path)
+                    continue
+                logger.warning(
+                    "MLflow at %s unavailable (%s: %s); %d record(s) kept for a later delivery",
+                    target.tracking_uri, type(error).__name__, str(error)[:200], len(records) - index,
+                )
+                return records[index:]
+    except Exception as error:
+        logger.warning("MLflow at %s unavailable (%s); %d record(s) kept for a later delivery", target.tracking_uri, error, len(records))
+        return list(records)
+    return []
+
+
+def spill(records: list[dict], path: str | Path) -> None:
+    """Write undelivered records to a JSON-lines file (the last resort at the end of a run)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")

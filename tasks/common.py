@@ -1,0 +1,77 @@
+"""What every DAPO task shares: cache versions, the checkpoint type, the loop state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from flytekit import Cache, current_context
+from flytekit.core.hash import HashMethod
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import checkpoint
+from dapo.config import DAPOConfig
+
+# Bump a version when the task's code changes what it computes: cached results of the
+# old code are then not reused. One place, so a reviewer sees them all.
+CACHE_VERSIONS = {
+    "resolve_config": "1",
+    "prepare_data": "1",
+    "bootstrap_policy": "1",
+    "rollout": "1",
+    "verify_rewards": "1",
+    "filter_groups": "1",
+    "policy_step": "1",
+    "evaluate": "1",
+    "track": "1",
+}
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cache(task_name: str) -> Cache:
+    return Cache(version=CACHE_VERSIONS[task_name])
+
+
+def _directory_hash(directory: FlyteDirectory) -> str:
+    # The COMPLETE marker already holds the content hash: no need to re-read the weights.
+    return checkpoint.recorded_hash(directory.path) or checkpoint.content_hash(directory.path)
+
+
+Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
+"""A checkpoint directory whose cache key is its content, not its (fresh) URI."""
+
+
+def load_config(config_json: str) -> DAPOConfig:
+    return DAPOConfig.from_dict(json.loads(config_json))
+
+
+def scratch_dir(name: str) -> str:
+    """A fresh directory in the task's sandbox for outputs."""
+    path = current_context().working_directory
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=path)
+
+
+@dataclass
+class LoopState:
+    """What the training loop carries from step to step besides the checkpoint.
+
+    history: per-step metrics (for the learning-curve Decks); pending: tracking
+    records MLflow has not accepted yet; bad_steps: consecutive non-finite updates.
+    """
+
+    history: list[dict] = field(default_factory=list)
+    pending: list[dict] = field(default_factory=list)
+    bad_steps: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LoopState":
+        return cls(**json.loads(text)) if text else cls()

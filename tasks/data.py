@@ -1,0 +1,56 @@
+"""Config, data and the starting policy."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+from flytekit import Resources, task
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import pipeline
+from dapo.config import DAPOConfig
+from images.specs import CPU_IMAGE, TRAINER_IMAGE
+from tasks.common import Checkpoint, cache, load_config, scratch_dir
+
+
+@task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
+def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> str:
+    """The run's validated config as JSON: a preset, then overrides, then the explicit inputs.
+
+    Invalid values fail here, before any other work starts.
+    """
+    overrides = json.loads(overrides_json) if overrides_json else {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"overrides_json must be a JSON object, got {overrides_json!r}")
+    if total_steps:
+        overrides["total_steps"] = total_steps
+    if train_data:
+        overrides["train_data_path"] = train_data
+    if val_data:
+        overrides["val_data_path"] = val_data
+    return DAPOConfig.preset(preset, overrides).to_json()
+
+
+@task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi"))
+def prepare_data(config_json: str) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
+    """Validated, de-duplicated train and validation parquet files."""
+    out_dir = scratch_dir("data")
+    stats = pipeline.prepare_data(load_config(config_json), out_dir)
+    return FlyteDirectory(out_dir), stats
+
+
+@task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
+def bootstrap_policy(config_json: str) -> Checkpoint:
+    """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model."""
+    from tqdm import tqdm
+
+    out_dir = scratch_dir("policy-0")
+    with tqdm(desc="warm start", unit="step", leave=False) as bar:
+        def progress(step: int, total: int, loss: float) -> None:
+            bar.total = total
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        pipeline.bootstrap_policy(load_config(config_json), out_dir, progress=progress)
+    return FlyteDirectory(out_dir)

@@ -1,0 +1,35 @@
+"""Validation: avg@k accuracy of a checkpoint on the held-out split."""
+
+from __future__ import annotations
+
+import typing
+
+from flytekit import Deck, Resources, task
+from flytekit.extras.accelerators import H100
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import pipeline, report
+from images.specs import ROLLOUT_IMAGE
+from tasks.common import Checkpoint, LoopState, cache, load_config
+from tasks.rollout import GPU_POD_TEMPLATE
+
+EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", list[dict])])
+
+
+@task(
+    cache=cache("evaluate"),
+    container_image=ROLLOUT_IMAGE,
+    requests=Resources(cpu="8", mem="64Gi", gpu="1"),
+    accelerator=H100,
+    shared_memory=True,
+    pod_template=GPU_POD_TEMPLATE,
+    pod_template_name="dapo-gpu",
+    enable_deck=True,
+)
+def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, loop_state: str) -> EvalOutput:
+    """avg@k accuracy at the validation sampling settings, with sample completions."""
+    metrics, samples = pipeline.evaluate(load_config(config_json), policy.download(), data.download(), step)
+    history = LoopState.from_json(loop_state).history + [{"step": step, **metrics}]
+    Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
+    Deck("Sample completions", report.html_table(samples))
+    return EvalOutput(metrics, samples)

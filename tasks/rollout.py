@@ -1,0 +1,68 @@
+"""One generation round: rollout (GPU), reward verification and group filtering (CPU)."""
+
+from __future__ import annotations
+
+import typing
+
+import pyarrow as pa
+from flytekit import PodTemplate, Resources, task
+from flytekit.extras.accelerators import H100
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import pipeline
+from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
+from tasks.common import Checkpoint, cache, load_config
+
+GPU_POD_TEMPLATE = PodTemplate(
+    labels={"app.kubernetes.io/part-of": "dapo-flyte"},
+    annotations={"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+)
+"""The GPU pods' node placement and tolerations come from the k8s/ PodTemplate 'dapo-gpu'."""
+
+RolloutOutput = typing.NamedTuple("RolloutOutput", [("responses", pa.Table), ("metrics", dict[str, float])])
+FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
+
+
+@task(
+    cache=cache("rollout"),
+    container_image=ROLLOUT_IMAGE,
+    requests=Resources(cpu="8", mem="64Gi", gpu="1"),
+    accelerator=H100,
+    shared_memory=True,
+    pod_template=GPU_POD_TEMPLATE,
+    pod_template_name="dapo-gpu",
+)
+def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int) -> RolloutOutput:
+    """G sampled responses per prompt of this round, with the sampler's token log-probs."""
+    from tqdm import tqdm
+
+    config = load_config(config_json)
+    with tqdm(desc=f"rollout step {step} round {round_index}", unit="prompt", leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        table, metrics = pipeline.rollout(config, policy.download(), data.download(), step, round_index, progress=progress)
+    return RolloutOutput(table, metrics)
+
+
+@task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
+def verify_rewards(config_json: str, responses: pa.Table, step: int) -> pa.Table:
+    """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
+    return pipeline.verify_rewards(load_config(config_json), responses, step)
+
+
+@task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+def filter_groups(
+    config_json: str, scored: pa.Table, rollout_metrics: dict[str, float], kept: typing.Optional[pa.Table], sampling_state: str
+) -> FilteredBatch:
+    """Dynamic sampling: keep groups whose rewards differ; done when full or out of rounds."""
+    state = pipeline.SamplingState.from_json(sampling_state)
+    batch, state = pipeline.filter_groups(load_config(config_json), scored, kept, state, rollout_metrics)
+    return FilteredBatch(batch, state.to_json(), state.done)
+
+
+@task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
+def keep_batch(batch: pa.Table, sampling_state: str, done: bool) -> FilteredBatch:
+    """The branch taken once the batch is done: pass it on unchanged."""
+    return FilteredBatch(batch, sampling_state, done)

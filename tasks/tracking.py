@@ -1,0 +1,91 @@
+"""MLflow delivery between steps: metrics, sample tables and registered checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import typing
+
+from flytekit import Resources, current_context, task
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import report, tracking
+from images.specs import CPU_IMAGE
+from tasks.common import Checkpoint, LoopState, cache, load_config
+
+logger = logging.getLogger(__name__)
+
+
+def run_target(target_json: str) -> tracking.RunTarget:
+    return tracking.RunTarget(**json.loads(target_json))
+
+
+def _materialize(uri: str) -> str:
+    return FlyteDirectory(uri).download()
+
+
+@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+def start_tracking(config_json: str, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
+    "Tracking", [("target_json", str), ("loop_state", str)]
+):
+    """Bind this execution to one MLflow run (found again on resume) and log the config."""
+    execution = current_context().execution_id.name
+    config = load_config(config_json)
+    # The same config is the same (cached) run: a resumed execution keeps its MLflow run.
+    run_key = hashlib.sha256(config_json.encode()).hexdigest()[:16]
+    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key, run_name=f"dapo-{execution}")
+    records = [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)]
+    pending = tracking.deliver(target, records, materialize=_materialize)
+    return json.dumps(target.__dict__), LoopState(pending=pending).to_json()
+
+
+@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+def log_step(config_json: str, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
+    """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
+    config = load_config(config_json)
+    state = LoopState.from_json(loop_state)
+    refused = step_metrics.get("actor/nonfinite_updates", 0.0) > 0 and step_metrics.get("actor/nonfinite_updates") >= step_metrics.get("actor/num_updates", 1.0)
+    state.bad_steps = state.bad_steps + 1 if refused else 0
+    if state.bad_steps >= config.max_bad_steps:
+        raise RuntimeError(
+            f"step {step}: {state.bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(max_bad_steps={config.max_bad_steps}); the last good checkpoint is the input of this step"
+        )
+    state.history.append({"step": step, **step_metrics})
+    print(report.step_line(state.history[-1]), flush=True)
+    state.pending = tracking.deliver(run_target(target_json), state.pending + [tracking.metrics_record(step, step_metrics)], materialize=_materialize)
+    return state.to_json()
+
+
+@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+def register_model(
+    target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: list[dict], model_name: str
+) -> str:
+    """Log validation metrics and samples, register the checkpoint, move champion/newest."""
+    state = LoopState.from_json(loop_state)
+    if state.history and state.history[-1]["step"] == step:
+        state.history[-1].update(eval_metrics)
+    else:
+        state.history.append({"step": step, **eval_metrics})
+    print(report.step_line(state.history[-1]), flush=True)
+    uri = policy.remote_source or policy.path
+    records = [
+        tracking.metrics_record(step, eval_metrics),
+        tracking.table_record(f"samples/step_{step:06d}.json", samples),
+        tracking.register_record(model_name, uri, step, eval_metrics.get("val/acc", 0.0)),
+    ]
+    state.pending = tracking.deliver(run_target(target_json), state.pending + records, materialize=_materialize)
+    return state.to_json()
+
+
+@task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+def finish_tracking(target_json: str, loop_state: str) -> str:
+    """A last delivery; what still cannot be delivered is kept in the output and on disk."""
+    state = LoopState.from_json(loop_state)
+    state.pending = tracking.deliver(run_target(target_json), state.pending, materialize=_materialize)
+    if state.pending:
+        path = current_context().working_directory + "/undelivered-tracking.jsonl"
+        tracking.spill(state.pending, path)
+        logger.warning("%d tracking record(s) could not be delivered; kept in this output and in %s", len(state.pending), path)
+    return state.to_json()

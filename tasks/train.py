@@ -1,0 +1,41 @@
+"""The policy update (DeepSpeed on GPUs; one process here)."""
+
+from __future__ import annotations
+
+import time
+import typing
+
+import pyarrow as pa
+from flytekit import Deck, Resources, task
+from flytekit.extras.accelerators import H100
+from flytekit.types.directory import FlyteDirectory
+
+from dapo import pipeline, report
+from images.specs import TRAINER_IMAGE
+from tasks.common import Checkpoint, LoopState, cache, load_config, scratch_dir
+from tasks.rollout import GPU_POD_TEMPLATE
+
+StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
+
+
+@task(
+    cache=cache("policy_step"),
+    container_image=TRAINER_IMAGE,
+    requests=Resources(cpu="16", mem="128Gi", gpu="1"),
+    accelerator=H100,
+    shared_memory=True,
+    pod_template=GPU_POD_TEMPLATE,
+    pod_template_name="dapo-gpu",
+    enable_deck=True,
+)
+def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int, loop_state: str) -> StepOutput:
+    """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint."""
+    started = time.perf_counter()
+    out_dir = scratch_dir(f"policy-{step + 1}")
+    state = pipeline.SamplingState.from_json(sampling_state)
+    metrics = pipeline.policy_step(load_config(config_json), policy.download(), batch, state, step, out_dir)
+    metrics["policy_step/seconds"] = time.perf_counter() - started
+    history = LoopState.from_json(loop_state).history + [{"step": step, **metrics}]
+    Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
+    Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
+    return StepOutput(FlyteDirectory(out_dir), metrics)

@@ -1,0 +1,99 @@
+"""Pipeline stages that need no engine: rewards on a rollout table, dynamic sampling, skips."""
+
+import pyarrow as pa
+import pytest
+
+from dapo import checkpoint
+from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from dapo.config import DAPOConfig
+from dapo.pipeline import SamplingState, batch_metrics, filter_groups, policy_step, verify_rewards
+
+
+def rollout_table(groups: dict[str, list[str]], truth: str = "12", lengths: list[int] | None = None) -> pa.Table:
+    rows = []
+    for gid, texts in groups.items():
+        for k, text in enumerate(texts):
+            n = lengths[k] if lengths else 5
+            rows.append({
+                "group_id": gid, "prompt_uid": gid, "sample_index": k, "prompt": "q", "ground_truth": truth,
+                "prompt_token_ids": [1, 2, 3], "response_token_ids": list(range(n)), "response_text": text,
+                "rollout_log_probs": [-0.5] * n, "truncated": False,
+            })
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+
+
+def config(**overrides) -> DAPOConfig:
+    base = dict(n_samples_per_prompt=2, train_prompt_bsz=2, gen_prompt_bsz=3, max_num_gen_batches=3,
+                ppo_mini_batch_size=1, max_response_length=20, overlong_buffer_len=10, format_reward_weight=0.0)
+    return DAPOConfig.tiny_cpu().replace(**{**base, **overrides})
+
+
+def test_verify_rewards_adds_scores():
+    table = rollout_table({"a": ["5 + 7 = 12\nAnswer: 12", "Answer: 13"]})
+    scored = verify_rewards(config(), table, step=0)
+    assert scored.schema == SCORED_SCHEMA
+    assert scored.column("acc").to_pylist() == [1.0, 0.0]
+    assert scored.column("reward").to_pylist() == [1.0, -1.0]
+
+
+def test_overlong_penalty_enters_the_reward():
+    table = rollout_table({"a": ["Answer: 12", "Answer: 12"]}, lengths=[10, 15])
+    scored = verify_rewards(config(), table, step=0)
+    # L_max=20, L_cache=10: 15 tokens is 5 into the buffer -> -0.5
+    assert scored.column("overlong_penalty").to_pylist() == pytest.approx([0.0, -0.5])
+    assert scored.column("reward").to_pylist() == pytest.approx([1.0, 0.5])
+    off = verify_rewards(config(enable_overlong_penalty=False), table, step=0)
+    assert off.column("reward").to_pylist() == pytest.approx([1.0, 1.0])
+
+
+def test_format_reward_decays_with_steps():
+    table = rollout_table({"a": ["Answer: 13", "no answer"]})
+    cfg = config(format_reward_weight=1.0, format_reward_decay_steps=4)
+    early = verify_rewards(cfg, table, step=0).column("reward").to_pylist()
+    later = verify_rewards(cfg, table, step=2).column("reward").to_pylist()
+    done = verify_rewards(cfg, table, step=4).column("reward").to_pylist()
+    assert early == pytest.approx([0.0, -1.0]) and later == pytest.approx([-0.5, -1.0]) and done == pytest.approx([-1.0, -1.0])
+
+
+def test_filter_groups_accumulates_until_full():
+    cfg = config()
+    round0 = verify_rewards(cfg, rollout_table({"r0-a": ["Answer: 12", "Answer: 12"], "r0-b": ["Answer: 12", "Answer: 1"]}), 0)
+    batch, state = filter_groups(cfg, round0, None, SamplingState(), {"rollout/tokens": 20, "rollout/seconds": 2})
+    assert set(batch.column("group_id").to_pylist()) == {"r0-b"} and not state.done
+    round1 = verify_rewards(cfg, rollout_table({"r1-a": ["Answer: 2", "Answer: 12"], "r1-b": ["Answer: 3", "Answer: 12"]}), 0)
+    batch, state = filter_groups(cfg, round1, batch, state, {"rollout/tokens": 20, "rollout/seconds": 2})
+    assert state.done and state.rounds == 2 and state.kept_groups == 3 and state.generated_groups == 4
+    assert list(dict.fromkeys(batch.column("group_id").to_pylist())) == ["r0-b", "r1-a"]  # trimmed to train_prompt_bsz
+    assert state.rollout_tokens == 40
+
+
+def test_filter_groups_gives_up_after_max_rounds():
+    cfg = config(max_num_gen_batches=2)
+    uniform = verify_rewards(cfg, rollout_table({"a": ["Answer: 12", "Answer: 12"]}), 0)
+    batch, state = filter_groups(cfg, uniform, None, SamplingState(), {})
+    batch, state = filter_groups(cfg, uniform, batch, state, {})
+    assert state.done and batch.num_rows == 0 and state.kept_groups == 0
+
+
+def test_without_dynamic_sampling_every_group_is_kept():
+    cfg = config(dynamic_sampling=False, gen_prompt_bsz=2)
+    uniform = verify_rewards(cfg, rollout_table({"a": ["Answer: 12", "Answer: 12"], "b": ["x", "y"]}), 0)
+    batch, state = filter_groups(cfg, uniform, None, SamplingState(), {})
+    assert state.done and batch.num_rows == 4
+
+
+def test_empty_batch_skips_the_step_and_keeps_the_policy(tmp_path):
+    source = tmp_path / "policy"
+    with checkpoint.atomic_dir(source, step=0) as scratch:
+        open(f"{scratch}/model.safetensors", "wb").write(b"weights")
+    empty = SCORED_SCHEMA.empty_table()
+    metrics = policy_step(config(), str(source), empty, SamplingState(rounds=3, generated_groups=9), 0, tmp_path / "next")
+    assert metrics["step/skipped"] == 1.0 and metrics["sampling/kept_ratio"] == 0.0
+    assert (tmp_path / "next" / "model.safetensors").read_bytes() == b"weights"
+    assert checkpoint.is_complete(tmp_path / "next")
+
+
+def test_batch_metrics():
+    scored = verify_rewards(config(), rollout_table({"a": ["Answer: 12", "Answer: 7"]}, lengths=[4, 8]), 0)
+    m = batch_metrics(scored, "train/")
+    assert m["train/acc"] == 0.5 and m["train/response_length_mean"] == 6 and m["train/response_length_max"] == 8

@@ -1,0 +1,126 @@
+"""dapo_loop: DAPO as a cached, resumable Flyte DAG.
+
+    resolve_config -> prepare_data -> bootstrap_policy -> evaluate(0) -> train
+    train (dynamic)       = a chain of train_chunk nodes, steps_per_chunk steps each
+    train_chunk (dynamic) = per step: sample_round, then up to max_num_gen_batches-1
+                            conditional sample_rounds (taken only while the batch is
+                            short), policy_step, log_step, and every val_every steps
+                            evaluate + register_model
+
+Why this shape: the step loop has a fixed length, so it is unrolled, in chunks, so
+that no dynamic workflow holds more than a few hundred nodes (the workflow CRD lives
+in etcd); the dynamic-sampling rounds are data-dependent, so they are conditional
+branches on the filter's `done` output rather than recursion, which keeps the
+nesting depth at 4 whatever the number of rounds or steps. A 1,000-step run with
+the paper's 10 rounds is 100 chunk nodes of ~150 nodes each.
+
+Run locally: pyflyte run workflows/dapo.py dapo_loop
+On a cluster: pyflyte run --remote workflows/dapo.py dapo_loop --preset paper_32b ...
+"""
+
+from __future__ import annotations
+
+import typing
+
+import pyarrow as pa
+from flytekit import conditional, dynamic, workflow
+from flytekit.types.directory import FlyteDirectory
+
+from tasks.common import Checkpoint, load_config
+from tasks.data import bootstrap_policy, prepare_data, resolve_config
+from tasks.evaluate import evaluate
+from tasks.rollout import FilteredBatch, filter_groups, keep_batch, rollout, verify_rewards
+from tasks.tracking import finish_tracking, log_step, register_model, start_tracking
+from tasks.train import policy_step
+
+DEFAULT_STEPS_PER_CHUNK = 10
+
+
+@workflow
+def sample_round(
+    config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, kept: typing.Optional[pa.Table], sampling_state: str
+) -> FilteredBatch:
+    """One generation round: rollout -> verify_rewards -> filter_groups."""
+    responses, metrics = rollout(config_json=config_json, policy=policy, data=data, step=step, round_index=round_index)
+    scored = verify_rewards(config_json=config_json, responses=responses, step=step)
+    return filter_groups(config_json=config_json, scored=scored, rollout_metrics=metrics, kept=kept, sampling_state=sampling_state)
+
+
+@dynamic
+def train_chunk(
+    config_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
+    first_step: int, last_step: int, model_name: str,
+) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str)]):
+    """Steps [first_step, last_step) unrolled."""
+    config = load_config(config_json)
+    for step in range(first_step, last_step):
+        batch, sampling_state, done = sample_round(
+            config_json=config_json, policy=policy, data=data, step=step, round_index=0, kept=None, sampling_state=""
+        )
+        for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
+            batch, sampling_state, done = (
+                conditional(f"step_{step}_round_{round_index}")
+                .if_(done.is_false())
+                .then(sample_round(config_json=config_json, policy=policy, data=data, step=step, round_index=round_index,
+                                   kept=batch, sampling_state=sampling_state))
+                .else_()
+                .then(keep_batch(batch=batch, sampling_state=sampling_state, done=done))
+            )
+        policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state,
+                                      step=step, loop_state=loop_state)
+        loop_state = log_step(config_json=config_json, target_json=target_json, loop_state=loop_state, step=step + 1, step_metrics=metrics)
+        if is_validation_step(step + 1, config.val_every, config.total_steps):
+            eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=step + 1, loop_state=loop_state)
+            loop_state = register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=step + 1,
+                                        eval_metrics=eval_metrics, samples=samples, model_name=model_name)
+    return policy, loop_state
+
+
+def is_validation_step(step: int, val_every: int, total_steps: int) -> bool:
+    """Validate every val_every steps (counted after the update) and after the last step."""
+    return step == total_steps or (val_every > 0 and step % val_every == 0)
+
+
+@dynamic
+def train(
+    config_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str, model_name: str, steps_per_chunk: int
+) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
+    """The step loop as a chain of chunks."""
+    total = load_config(config_json).total_steps
+    for first in range(0, total, steps_per_chunk):
+        policy, loop_state = train_chunk(
+            config_json=config_json, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
+            first_step=first, last_step=min(first + steps_per_chunk, total), model_name=model_name,
+        )
+    return policy, loop_state
+
+
+@workflow
+def dapo_loop(
+    preset: str = "tiny_cpu",
+    overrides_json: str = "{}",
+    total_steps: int = 0,
+    train_data: str = "",
+    val_data: str = "",
+    mlflow_tracking_uri: str = "",
+    mlflow_experiment: str = "dapo",
+    model_name: str = "dapo-policy",
+    steps_per_chunk: int = DEFAULT_STEPS_PER_CHUNK,
+) -> typing.NamedTuple("DapoResult", [("policy", Checkpoint), ("loop_state", str)]):
+    """DAPO training. Defaults: the embedded tiny policy and arithmetic task, local MLflow.
+
+    preset: tiny_cpu | paper_32b; overrides_json: DAPOConfig fields as JSON, e.g.
+    '{"clip_high": 0.2}'; total_steps: 0 keeps the preset's; train_data / val_data:
+    verl-format parquet paths or URIs; mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI
+    or ./mlflow.db; model_name: the MLflow registered model.
+    """
+    config_json = resolve_config(preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data)
+    data, data_stats = prepare_data(config_json=config_json)
+    policy = bootstrap_policy(config_json=config_json)
+    target_json, loop_state = start_tracking(config_json=config_json, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment, data_stats=data_stats)
+    eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=0, loop_state=loop_state)
+    loop_state = register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=0,
+                                eval_metrics=eval_metrics, samples=samples, model_name=model_name)
+    final_policy, final_state = train(config_json=config_json, target_json=target_json, data=data, policy=policy,
+                                      loop_state=loop_state, model_name=model_name, steps_per_chunk=steps_per_chunk)
+    return final_policy, finish_tracking(target_json=target_json, loop_state=final_state)
