@@ -1,0 +1,149 @@
+"""MLflow tracking: runs, metrics, registry aliases, and a server that goes away."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dapo import tracking
+from dapo.tracking import RunTarget, deliver, metrics_record, params_record, register_record, table_record
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random-init tiny HF model (no warm start needed to test the registry)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def sqlite_target(tmp_path, key="run-a") -> RunTarget:
+    return RunTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "dapo-test", key, f"exec-{key}")
+
+
+def client_for(target):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(target.tracking_uri, registry_uri=target.tracking_uri)
+
+
+def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the sqlite store's artifacts go under ./mlruns
+    target = sqlite_target(tmp_path)
+    records = [params_record({"clip_high": 0.28, "extra": {"a": 1}}), metrics_record(1, {"acc": 0.25}),
+               table_record("samples/step_000001.json", [{"response": "Answer: 3", "acc": 1.0}])]
+    records += [register_record("tiny-policy", tiny_checkpoint, step, acc) for step, acc in [(0, 0.2), (5, 0.5), (10, 0.4)]]
+    assert deliver(target, records) == []
+
+    client = client_for(target)
+    run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
+    assert run.info.run_name == "exec-run-a"
+    assert run.data.params["clip_high"] == "0.28"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "acc")] == [0.25]
+    assert client.get_model_version_by_alias("tiny-policy", "champion").tags["step"] == "5"
+    assert client.get_model_version_by_alias("tiny-policy", "newest").tags["step"] == "10"
+
+    # the same run key finds the same run (a resumed execution), and re-delivering a
+    # registration that already landed does not make a second version
+    assert deliver(target, [register_record("tiny-policy", tiny_checkpoint, 10, 0.4)]) == []
+    assert len(client.search_model_versions("name = 'tiny-policy'")) == 3
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+    import mlflow
+    from transformers import AutoModelForCausalLM
+
+    mlflow.set_tracking_uri(target.tracking_uri)
+    local = mlflow.artifacts.download_artifacts("models:/tiny-policy@champion")
+    model = AutoModelForCausalLM.from_pretrained(local)
+    assert model.config.hidden_size == 16
+
+
+def test_unreachable_server_keeps_every_record_and_fails_fast(tmp_path):
+    target = RunTarget(f"http://127.0.0.1:{free_port()}", "dapo-test", "k", "exec")
+    records = [metrics_record(step, {"acc": step / 10}) for step in range(3)]
+    started = time.perf_counter()
+    assert deliver(target, records) == records
+    assert time.perf_counter() - started < 15
+
+
+def test_registry_name_clash_is_refused_not_retried(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    target = sqlite_target(tmp_path)
+    client_for(target).create_registered_model("someone-elses-model")
+    rejected = tmp_path / "rejected.jsonl"
+    left = deliver(target, [register_record("someone-elses-model", tiny_checkpoint, 1, 0.5), metrics_record(1, {"acc": 0.5})], rejected_path=rejected)
+    assert left == []  # the clash does not block the metrics behind it
+    assert "someone-elses-model" in rejected.read_text()
+    assert client_for(target).search_model_versions("name = 'someone-elses-model'") == []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store: Path, port: int) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{store / 'server.db'}", "--artifacts-destination", str(store / "artifacts"),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return process
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, 9)
+    process.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_server_down_at_start_and_mid_run_loses_nothing(tmp_path):
+    port = free_port()
+    target = RunTarget(f"http://127.0.0.1:{port}", "dapo-test", "k", "exec")
+    pending = deliver(target, [params_record({"lr": 1e-6}), metrics_record(0, {"acc": 0.0})])  # down at start
+    assert len(pending) == 2
+    server = start_server(tmp_path, port)
+    try:
+        pending = deliver(target, pending + [metrics_record(1, {"acc": 0.1})])
+        assert pending == []
+        stop_server(server)  # goes down mid-run
+        for step in (2, 3):
+            pending = deliver(target, pending + [metrics_record(step, {"acc": step / 10})])
+        assert [r["step"] for r in pending] == [2, 3]
+        server = start_server(tmp_path, port)
+        assert deliver(target, pending + [metrics_record(4, {"acc": 0.4})]) == []
+        client = client_for(target)
+        run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
+        history = client.get_metric_history(run.info.run_id, "acc")
+        assert sorted((m.step, m.value) for m in history) == [(s, s / 10) for s in range(5)]
+        assert run.data.params["lr"] == "1e-06"
+    finally:
+        if server.poll() is None:
+            stop_server(server)
+
+
+def test_default_tracking_uri(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert tracking.default_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert tracking.default_tracking_uri() == "http://mlflow:5000"
+    assert tracking.default_tracking_uri("file:///x") == "file:///x"
