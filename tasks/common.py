@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Annotated
 
 from flytekit import Cache, current_context
 from flytekit.core.hash import HashMethod
+from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import checkpoint
@@ -28,6 +30,16 @@ CACHE_VERSIONS = {
     "evaluate": "1",
     "track": "1",
 }
+
+GPU_POD_TEMPLATE_NAME = "dapo-gpu"
+"""k8s/20-flyte-podtemplates.yaml: GPU-node selector, nvidia.com/gpu toleration and a
+memory-backed /dev/shm (so GPU tasks do not also set shared_memory=True: a second
+/dev/shm volume would be rejected)."""
+
+GPU_ACCELERATOR = GPUAccelerator(os.environ["DAPO_GPU_ACCELERATOR"]) if os.environ.get("DAPO_GPU_ACCELERATOR") else None
+"""Flyte turns an accelerator into a node selector on the label its propagator is
+configured with; set DAPO_GPU_ACCELERATOR (e.g. nvidia-h100) at registration time
+where nodes carry that label. Unset, GPU tasks land on any GPU node (pod template)."""
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 import typing
 
 from flytekit import Deck, Resources, task
-from flytekit.extras.accelerators import H100
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from tasks.common import Checkpoint, LoopState, cache, load_config
-from tasks.rollout import GPU_POD_TEMPLATE
+from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, LoopState, cache, load_config
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", list[dict])])
 
@@ -20,10 +18,8 @@ EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("s
     cache=cache("evaluate"),
     container_image=ROLLOUT_IMAGE,
     requests=Resources(cpu="8", mem="64Gi", gpu="1"),
-    accelerator=H100,
-    shared_memory=True,
-    pod_template=GPU_POD_TEMPLATE,
-    pod_template_name="dapo-gpu",
+    accelerator=GPU_ACCELERATOR,
+    pod_template_name=GPU_POD_TEMPLATE_NAME,
     enable_deck=True,
 )
 def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, loop_state: str) -> EvalOutput:

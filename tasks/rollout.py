@@ -5,19 +5,12 @@ from __future__ import annotations
 import typing
 
 import pyarrow as pa
-from flytekit import PodTemplate, Resources, task
-from flytekit.extras.accelerators import H100
+from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import Checkpoint, cache, load_config
-
-GPU_POD_TEMPLATE = PodTemplate(
-    labels={"app.kubernetes.io/part-of": "dapo-flyte"},
-    annotations={"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
-)
-"""The GPU pods' node placement and tolerations come from the k8s/ PodTemplate 'dapo-gpu'."""
+from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, cache, load_config
 
 RolloutOutput = typing.NamedTuple("RolloutOutput", [("responses", pa.Table), ("metrics", dict[str, float])])
 FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
@@ -27,10 +20,8 @@ FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampl
     cache=cache("rollout"),
     container_image=ROLLOUT_IMAGE,
     requests=Resources(cpu="8", mem="64Gi", gpu="1"),
-    accelerator=H100,
-    shared_memory=True,
-    pod_template=GPU_POD_TEMPLATE,
-    pod_template_name="dapo-gpu",
+    accelerator=GPU_ACCELERATOR,
+    pod_template_name=GPU_POD_TEMPLATE_NAME,
 )
 def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int) -> RolloutOutput:
     """G sampled responses per prompt of this round, with the sampler's token log-probs."""

@@ -7,13 +7,11 @@ import typing
 
 import pyarrow as pa
 from flytekit import Deck, Resources, task
-from flytekit.extras.accelerators import H100
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import TRAINER_IMAGE
-from tasks.common import Checkpoint, LoopState, cache, load_config, scratch_dir
-from tasks.rollout import GPU_POD_TEMPLATE
+from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, LoopState, cache, load_config, scratch_dir
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
 
@@ -22,10 +20,8 @@ StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics"
     cache=cache("policy_step"),
     container_image=TRAINER_IMAGE,
     requests=Resources(cpu="16", mem="128Gi", gpu="1"),
-    accelerator=H100,
-    shared_memory=True,
-    pod_template=GPU_POD_TEMPLATE,
-    pod_template_name="dapo-gpu",
+    accelerator=GPU_ACCELERATOR,
+    pod_template_name=GPU_POD_TEMPLATE_NAME,
     enable_deck=True,
 )
 def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int, loop_state: str) -> StepOutput:
