@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,19 @@ class RegistryNameClash(RuntimeError):
 
 
 def default_tracking_uri(uri: str = "") -> str:
-    """The given URI, else $MLFLOW_TRACKING_URI, else a sqlite store in the working directory."""
-    if uri:
-        return uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """The given URI, else $MLFLOW_TRACKING_URI, else a sqlite store in the working directory.
+
+    A URI with a password in it is refused: it would end up in task outputs and logs.
+    Credentials belong in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or
+    MLFLOW_TRACKING_TOKEN), set from a Kubernetes Secret.
+    """
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if urlsplit(uri).password:
+        raise ValueError(
+            "the MLflow tracking URI carries a password; pass credentials through "
+            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (from a Secret) instead"
+        )
+    return uri
 
 
 def params_record(params: dict[str, Any]) -> dict:

@@ -147,3 +147,11 @@ def test_default_tracking_uri(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
     assert tracking.default_tracking_uri() == "http://mlflow:5000"
     assert tracking.default_tracking_uri("file:///x") == "file:///x"
+
+
+def test_credentials_in_the_uri_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="MLFLOW_TRACKING_PASSWORD"):
+        tracking.default_tracking_uri("https://alice:s3cret@mlflow.example.com")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:hunter2@mlflow:5000")
+    with pytest.raises(ValueError, match="carries a password"):
+        tracking.default_tracking_uri()
