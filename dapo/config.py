@@ -255,7 +255,6 @@ class DAPOConfig:
             max_num_gen_batches=3,
             val_n_samples=4,
             val_every=5,
-            val_max_prompts=64,
             lr=5e-4,
             warmup_steps=2,
             weight_decay=0.0,

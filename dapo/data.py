@@ -64,8 +64,9 @@ class LoadReport:
 
 
 # --- the embedded arithmetic task --------------------------------------------------
-# Difficulty levels: (operator, digits of a, digits of b). Level 0 is what a barely
-# warmed-up tiny model gets right; level 3 it almost never does at first.
+# Difficulty levels: (operator, digits of a, digits of b). The warm-started tiny policy
+# solves most level-0 problems, some level-1 ones and few of the rest: mixed groups,
+# so RL has signal, and room to improve on every level.
 DIFFICULTY_LEVELS = (
     ("+", 1, 1),
     ("+", 2, 1),
@@ -74,50 +75,73 @@ DIFFICULTY_LEVELS = (
 )
 
 
+def _operand_range(digits: int) -> range:
+    return range(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
+
+
 def arithmetic_problem(rng: random.Random, level: int) -> tuple[str, str]:
-    """One problem and its integer answer at a difficulty level."""
+    """One random problem and its integer answer at a difficulty level."""
     op, digits_a, digits_b = DIFFICULTY_LEVELS[level]
-    a = rng.randint(10 ** (digits_a - 1) if digits_a > 1 else 0, 10**digits_a - 1)
-    b = rng.randint(10 ** (digits_b - 1) if digits_b > 1 else 0, 10**digits_b - 1)
-    answer = a + b if op == "+" else a - b
-    return f"What is {a} {op} {b}?", str(answer)
+    return _problem(op, rng.choice(_operand_range(digits_a)), rng.choice(_operand_range(digits_b)))
 
 
-def make_arithmetic_table(n_rows: int, seed: int, levels: tuple[int, ...] | None = None) -> pa.Table:
-    """n_rows distinct arithmetic problems in verl / DAPO-Math-17k format."""
-    rng = random.Random(seed)
-    levels = levels if levels is not None else tuple(range(len(DIFFICULTY_LEVELS)))
-    seen: set[str] = set()
-    rows = []
-    attempts = 0
-    while len(rows) < n_rows:
-        attempts += 1
-        if attempts > 50 * n_rows:
-            raise DataError(f"cannot draw {n_rows} distinct problems at levels {levels}")
-        problem, answer = arithmetic_problem(rng, rng.choice(levels))
-        if problem in seen:
-            continue
-        seen.add(problem)
-        rows.append(
-            {
-                "data_source": EMBEDDED_SOURCE,
-                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}],
-                "ability": "MATH",
-                "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
-                "extra_info": {"index": len(rows)},
-            }
-        )
+def _problem(op: str, a: int, b: int) -> tuple[str, str]:
+    return f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b)
+
+
+def level_problems(level: int, seed: int) -> list[tuple[str, str]]:
+    """Every distinct problem of a level (100 to 8,100 of them), in a seeded order."""
+    op, digits_a, digits_b = DIFFICULTY_LEVELS[level]
+    problems = [_problem(op, a, b) for a in _operand_range(digits_a) for b in _operand_range(digits_b)]
+    random.Random(f"{seed}-{level}").shuffle(problems)
+    return problems
+
+
+def _verl_rows(problems: list[tuple[str, str]]) -> pa.Table:
+    rows = [
+        {
+            "data_source": EMBEDDED_SOURCE,
+            "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": index},
+        }
+        for index, (problem, answer) in enumerate(problems)
+    ]
     return pa.Table.from_pylist(rows, schema=VERL_SCHEMA)
 
 
-def write_embedded_splits(directory: str | Path, seed: int, n_train: int = 4000, n_val: int = 256) -> tuple[Path, Path]:
-    """Train and validation parquet files of the embedded task, with disjoint problems."""
+def make_arithmetic_table(n_rows: int, seed: int) -> pa.Table:
+    """n_rows distinct problems in verl / DAPO-Math-17k format, taking the levels in turn."""
+    pools = [level_problems(level, seed) for level in range(len(DIFFICULTY_LEVELS))]
+    if n_rows > sum(map(len, pools)):
+        raise DataError(f"the embedded task has only {sum(map(len, pools))} distinct problems, {n_rows} asked")
+    chosen: list[tuple[str, str]] = []
+    depth = 0
+    while len(chosen) < n_rows:
+        chosen.extend(pool[depth] for pool in pools if depth < len(pool))
+        depth += 1
+    return _verl_rows(chosen[:n_rows])
+
+
+def write_embedded_splits(directory: str | Path, seed: int, train_per_level: int = 500, val_per_level: int = 32) -> tuple[Path, Path]:
+    """Train and validation parquet files with disjoint problems and every level in both.
+
+    Validation holds val_per_level problems of each level (a balanced score); training
+    the next train_per_level of each level, or what the level has left (level 0 has
+    only 100 problems).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    both = make_arithmetic_table(n_train + n_val, seed)
+    train, val = [], []
+    for level in range(len(DIFFICULTY_LEVELS)):
+        pool = level_problems(level, seed)
+        val.extend(pool[:val_per_level])
+        train.extend(pool[val_per_level : val_per_level + train_per_level])
+    random.Random(seed).shuffle(train)
     train_path, val_path = directory / "train.parquet", directory / "val.parquet"
-    pq.write_table(both.slice(0, n_train), train_path)
-    pq.write_table(both.slice(n_train, n_val), val_path)
+    pq.write_table(_verl_rows(train), train_path)
+    pq.write_table(_verl_rows(val), val_path)
     return train_path, val_path
 
 

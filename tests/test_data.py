@@ -39,10 +39,11 @@ def test_embedded_task_is_verl_format_and_correct(tmp_path):
         expression = content.split("What is ")[1].split("?")[0]
         a, op, b = expression.split()
         assert int(row["reward_model"]["ground_truth"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-    train, val = write_embedded_splits(tmp_path, seed=1, n_train=100, n_val=20)
+    train, val = write_embedded_splits(tmp_path, seed=1, train_per_level=90, val_per_level=20)
     train_problems = {r.messages for r in load_prompts(train)[0]}
     val_problems = {r.messages for r in load_prompts(val)[0]}
-    assert len(train_problems) == 100 and len(val_problems) == 20
+    assert len(train_problems) == 80 + 3 * 90  # level 0 has 100 problems: 20 in validation, 80 left
+    assert len(val_problems) == 4 * 20
     assert not train_problems & val_problems  # held-out really held out
 
 
