@@ -29,7 +29,9 @@ class ConfigError(ValueError):
 class DAPOConfig:
     # --- model and data -------------------------------------------------------------
     model_path: str = ""
-    """Hugging Face model directory to start from; "" builds the embedded tiny policy."""
+    """Hugging Face model directory (or hub name) to start from; "" builds the embedded tiny policy."""
+    embedded_warm_start_steps: int = 600
+    """Supervised warm-start steps of the embedded tiny policy (unused with model_path)."""
     train_data_path: str = ""
     """verl-format parquet (DAPO-Math-17k columns); "" generates the embedded arithmetic task."""
     val_data_path: str = ""
@@ -136,6 +138,7 @@ class DAPOConfig:
             if not ok:
                 raise ConfigError(f"DAPOConfig.{name}={getattr(self, name)!r}: {rule}")
 
+        need(self.embedded_warm_start_steps >= 1, "embedded_warm_start_steps", "must be >= 1")
         need(0.0 < self.clip_low < 1.0, "clip_low", "eps_low must lie in (0, 1)")
         need(self.clip_high > 0.0, "clip_high", "eps_high must be > 0")
         need(
@@ -245,7 +248,7 @@ class DAPOConfig:
         """The embedded default: a tiny policy on generated arithmetic, on a 2-core CPU."""
         return cls(
             max_prompt_length=256,
-            max_response_length=24,
+            max_response_length=32,
             overlong_buffer_len=8,
             format_reward_weight=0.5,
             format_reward_decay_steps=10,

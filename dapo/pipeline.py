@@ -25,6 +25,7 @@ from dapo import checkpoint
 from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
 from dapo.data import PromptRecord, load_prompts, render_prompt, write_embedded_splits
+from dapo.faults import crash_point
 from dapo.rewards import format_reward_weight, score_response
 from dapo.sampling import informative_groups
 
@@ -78,25 +79,26 @@ def write_records(records: list[PromptRecord], path: Path) -> None:
 
 
 def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> dict[str, float]:
-    """The starting checkpoint: the embedded tiny policy, or a copy of config.model_path."""
-    out_dir = Path(out_dir)
-    if not config.model_path:
-        from dapo.policy import TinyPolicySpec, build_tiny_policy
+    """The step-0 checkpoint, written atomically: the embedded tiny policy, or config.model_path."""
+    stats: dict[str, float] = {}
+    with checkpoint.atomic_dir(out_dir, step=0) as scratch:
+        if not config.model_path:
+            from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-        return build_tiny_policy(out_dir, TinyPolicySpec(seed=config.seed), progress=progress)
-    source = Path(config.model_path)
-    if source.is_dir():
-        shutil.copytree(source, out_dir, dirs_exist_ok=True)
-    else:  # a hub name: the cluster images can reach the hub, this machine cannot
-        from huggingface_hub import snapshot_download
+            spec = TinyPolicySpec(seed=config.seed, warm_start_steps=config.embedded_warm_start_steps)
+            stats = build_tiny_policy(scratch, spec, progress=progress)
+        elif Path(config.model_path).is_dir():
+            shutil.copytree(config.model_path, scratch, dirs_exist_ok=True)
+        else:  # a hub name: the cluster images can reach the hub, this machine cannot
+            from huggingface_hub import snapshot_download
 
-        try:
-            snapshot_download(config.model_path, local_dir=out_dir)
-        except Exception as error:
-            raise RuntimeError(f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}") from error
-    if not (out_dir / "config.json").exists():
-        raise FileNotFoundError(f"model_path={config.model_path!r}: no config.json in the checkpoint")
-    return {}
+            try:
+                snapshot_download(config.model_path, local_dir=scratch)
+            except Exception as error:
+                raise RuntimeError(f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}") from error
+        if not (Path(scratch) / "config.json").exists():
+            raise FileNotFoundError(f"model_path={config.model_path!r}: no config.json in the checkpoint")
+    return stats
 
 
 # --- rollout -----------------------------------------------------------------------
@@ -138,6 +140,7 @@ def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round
     started = time.perf_counter()
     completions = engine.generate(texts, sampling, progress=progress)
     seconds = time.perf_counter() - started
+    crash_point("rollout", step)
     rows = []
     for c in completions:
         record = chosen[c.prompt_index]
@@ -285,6 +288,7 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
     trainer = make_trainer(config, policy_dir)
     try:
         update = policy_update(trainer, batch, config, step, temperature=config.temperature)
+        crash_point("policy_step", step)
         metrics.update({f"actor/{key}": value for key, value in update.items()})
         trainer.save(str(out_dir))
     finally:

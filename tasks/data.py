@@ -11,14 +11,30 @@ from flytekit.types.directory import FlyteDirectory
 from dapo import pipeline
 from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
-from tasks.common import Checkpoint, cache, load_config, scratch_dir
+from tasks.common import Checkpoint, cache, scratch_dir
+
+
+DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row", "seed")
+POLICY_FIELDS = ("model_path", "embedded_warm_start_steps", "seed")
+
+ResolvedConfig = typing.NamedTuple("ResolvedConfig", [("config_json", str), ("data_json", str), ("policy_json", str)])
+
+
+def subset_json(config: DAPOConfig, fields: tuple[str, ...]) -> str:
+    """The fields a task depends on: its cache key, so runs that differ elsewhere share it."""
+    return json.dumps({name: getattr(config, name) for name in fields}, sort_keys=True)
+
+
+def config_from_subset(subset_json: str) -> DAPOConfig:
+    return DAPOConfig().replace(**json.loads(subset_json))
 
 
 @task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
-def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> str:
+def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
     """The run's validated config as JSON: a preset, then overrides, then the explicit inputs.
 
-    Invalid values fail here, before any other work starts.
+    Invalid values fail here, before any other work starts. Also returns the data and
+    policy subsets that prepare_data and bootstrap_policy are cached on.
     """
     overrides = json.loads(overrides_json) if overrides_json else {}
     if not isinstance(overrides, dict):
@@ -29,20 +45,28 @@ def resolve_config(preset: str, overrides_json: str, total_steps: int, train_dat
         overrides["train_data_path"] = train_data
     if val_data:
         overrides["val_data_path"] = val_data
-    return DAPOConfig.preset(preset, overrides).to_json()
+    config = DAPOConfig.preset(preset, overrides)
+    return ResolvedConfig(config.to_json(), subset_json(config, DATA_FIELDS), subset_json(config, POLICY_FIELDS))
 
 
 @task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi"))
-def prepare_data(config_json: str) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
-    """Validated, de-duplicated train and validation parquet files."""
+def prepare_data(data_json: str) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
+    """Validated, de-duplicated train and validation parquet files.
+
+    Cached on the data fields of the config only, so runs that differ in anything
+    else (an ablation, another clip range) share one copy of the data.
+    """
     out_dir = scratch_dir("data")
-    stats = pipeline.prepare_data(load_config(config_json), out_dir)
+    stats = pipeline.prepare_data(config_from_subset(data_json), out_dir)
     return FlyteDirectory(out_dir), stats
 
 
 @task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
-def bootstrap_policy(config_json: str) -> Checkpoint:
-    """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model."""
+def bootstrap_policy(policy_json: str) -> Checkpoint:
+    """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model.
+
+    Cached on the policy fields of the config only (shared across ablation variants).
+    """
     from tqdm import tqdm
 
     out_dir = scratch_dir("policy-0")
@@ -52,5 +76,5 @@ def bootstrap_policy(config_json: str) -> Checkpoint:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        pipeline.bootstrap_policy(load_config(config_json), out_dir, progress=progress)
+        pipeline.bootstrap_policy(config_from_subset(policy_json), out_dir, progress=progress)
     return FlyteDirectory(out_dir)

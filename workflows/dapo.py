@@ -114,9 +114,11 @@ def dapo_loop(
     verl-format parquet paths or URIs; mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI
     or ./mlflow.db; model_name: the MLflow registered model.
     """
-    config_json = resolve_config(preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data)
-    data, data_stats = prepare_data(config_json=config_json)
-    policy = bootstrap_policy(config_json=config_json)
+    config_json, data_json, policy_json = resolve_config(
+        preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data
+    )
+    data, data_stats = prepare_data(data_json=data_json)
+    policy = bootstrap_policy(policy_json=policy_json)
     target_json, loop_state = start_tracking(config_json=config_json, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment, data_stats=data_stats)
     eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=0, loop_state=loop_state)
     loop_state = register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=0,
