@@ -1,0 +1,277 @@
+"""DeepSpeed backend: a DeepSpeed engine (ZeRO stage from the config) around the HF policy.
+
+CUDA on a cluster (one process per GPU, under torchrun / a PyTorchJob), CPU here
+(``DS_ACCELERATOR=cpu``, one process). Environment variables the launcher would set
+(MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) are filled in only where
+missing; the process group is initialised once per process and reused by every
+engine created later (local runs build one trainer per policy step in one process).
+
+Gradient accumulation is ours, not DeepSpeed's: the config says
+``gradient_accumulation_steps: 1`` and every backward goes through
+``engine.backward(loss, scale_wrt_gas=False)``, so DeepSpeed never divides the
+exactly-weighted micro losses; the accumulation boundary is set explicitly with
+``engine.set_gradient_accumulation_boundary`` (False for all but the last
+micro-batch of a mini-batch) and ``engine.step()`` runs once per mini-batch.
+
+Non-finite gradients: DeepSpeed's ZeRO optimizer skips the step itself when the
+global gradient norm is not finite (fp32 and fp16 always; bf16 with
+``check_grad_overflow``, which the config turns on) and clears the accumulated
+gradients; ``was_step_applied()`` reports it. policy_update poisons the gradient
+with NaN when a micro loss is not finite, so that path also refuses the update on
+every rank. ZeRO stage 0 (no ZeRO optimizer) is checked here before ``step``.
+
+Checkpoints: the HF weights come from the module (ZeRO 0-2) or from the gathered
+16-bit state dict (ZeRO-3, ``stage3_gather_16bit_weights_on_model_save``); the
+optimizer state goes through ``engine.save_checkpoint`` into
+``trainer_state/deepspeed/state`` and comes back with ``engine.load_checkpoint``
+(fp32 master weights included, so a bf16 run resumes exactly too). Note that
+DeepSpeed's checkpoint also holds a copy of the module weights (its standard layout).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo.config import DAPOConfig
+from dapo.trainer import STATE_DIR, PolicyTrainer
+
+logger = logging.getLogger(__name__)
+
+DS_STATE_SUBDIR = "deepspeed"
+DS_TAG = "state"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_distributed_env() -> None:
+    """Single-process defaults for what torchrun would set; existing values win."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def init_distributed() -> None:
+    """Initialise the process group once per process (later engines reuse it)."""
+    ensure_distributed_env()
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+
+
+def deepspeed_config(config: DAPOConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for a policy step (batch sizes are nominal: we accumulate ourselves)."""
+    zero: dict[str, Any] = {
+        "stage": config.zero_stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+    }
+    if config.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if config.dtype == "bfloat16":
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
+    elif config.dtype == "float16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1}
+    return ds
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _zero3_init_hook(ds_config: dict[str, Any]):
+    """transformers' HfDeepSpeedConfig, kept alive while the model loads under ZeRO-3.
+
+    With it, from_pretrained builds the model partitioned (deepspeed.zero.Init) instead
+    of whole on every rank, which a large model needs. It requires the accelerate
+    package; without it the model loads whole on each rank and is partitioned by
+    deepspeed.initialize (fine for small models, too much host memory for large ones).
+    """
+    try:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        return HfDeepSpeedConfig(ds_config)
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
+        logger.warning(
+            "ZeRO-3 without partitioned loading (%s): every rank loads the whole model first; "
+            "install accelerate in the trainer image for large models", error
+        )
+        return None
+
+
+class DeepSpeedTrainer(PolicyTrainer):
+    backend_name = "deepspeed"
+
+    def __init__(self, config: DAPOConfig, model_dir: str | Path):
+        super().__init__(config, model_dir)
+        init_distributed()
+        import deepspeed
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        self._dist = dist
+        self._deepspeed = deepspeed
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.stage = config.zero_stage
+        self.state.zero_stage = self.stage
+        self.ds_config = deepspeed_config(config, self.world_size)
+        self._hf_ds_config = None
+        if self.stage == 3:
+            self._hf_ds_config = _zero3_init_hook(self.ds_config)
+        # Load in the training dtype: DeepSpeed casts to it anyway (keeping fp32 master
+        # weights in the ZeRO optimizer), and a 16-bit load halves host memory.
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[config.dtype])
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=config.weight_decay,
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        state_dir = Path(self.model_dir) / STATE_DIR / DS_STATE_SUBDIR
+        if (state_dir / DS_TAG).is_dir():
+            if self.state.world_size != self.world_size:
+                logger.warning(
+                    "the optimizer state in %s was written by %d rank(s), this run has %d: ZeRO partitions "
+                    "follow the data-parallel size, so DeepSpeed may refuse it (convert it with DeepSpeed's "
+                    "universal checkpoint tools, or keep trainer_nnodes x trainer_nproc_per_node fixed)",
+                    state_dir, self.state.world_size, self.world_size,
+                )
+            load_path, _ = self.engine.load_checkpoint(
+                str(state_dir),
+                tag=DS_TAG,
+                load_module_strict=True,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
+            if load_path is None:
+                raise RuntimeError(f"DeepSpeed could not load the optimizer state in {state_dir}")
+            self.resumed = True
+            logger.info("resumed DeepSpeed state from %s (next step %d)", state_dir, self.state.next_step)
+
+    # --- primitives -------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    def _hf_config(self):
+        return self.engine.module.config
+
+    def zero_grad(self) -> None:
+        # Gradients live in DeepSpeed's buffers until step(); a refused step clears them there.
+        self.engine.zero_grad()
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, skip: bool = False) -> tuple[float, bool]:
+        if self.stage == 0:
+            # No ZeRO optimizer: nothing in DeepSpeed checks the norm before stepping.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+            if skip or not math.isfinite(norm):
+                self.engine.zero_grad()
+                return norm, False
+            self.engine.step()
+            return norm, self.engine.was_step_applied()
+        self.engine.step()
+        applied = bool(self.engine.was_step_applied())
+        norm = self.engine.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        if skip and applied:
+            raise RuntimeError(
+                "DeepSpeed applied an update whose loss was not finite (its overflow check did not fire); "
+                "stopping rather than continuing from corrupted weights"
+            )
+        return norm, applied
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        params = list(self.engine.module.named_parameters())
+        if self.stage == 3:
+            with self._deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                return {name: p.detach().float().cpu().clone() for name, p in params}
+        return {name: p.detach().float().cpu().clone() for name, p in params}
+
+    # --- distributed helpers ----------------------------------------------------------
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        holder = [obj]
+        self._dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        dtype = tensor.dtype
+        on_device = tensor.to(self.device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        self._dist.all_reduce(on_device)
+        return on_device.to("cpu", dtype=dtype)
+
+    # --- checkpoint ------------------------------------------------------------------
+    def _save_weights(self, out_dir: str) -> None:
+        module = self.engine.module
+        if self.stage == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()  # collective; rank 0 gets it
+            if self.is_main:
+                module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        elif self.is_main:
+            module.save_pretrained(out_dir, safe_serialization=True)
+
+    def _save_optimizer(self, state_dir: str) -> None:
+        self.engine.save_checkpoint(os.path.join(state_dir, DS_STATE_SUBDIR), tag=DS_TAG, save_latest=False)
+
+    def _release(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+        self.engine = None
+        self.optimizer = None
+        self._hf_ds_config = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

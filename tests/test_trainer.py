@@ -1,0 +1,380 @@
+"""The DAPO policy step (dapo.trainer): exact accumulation, direction, masking, resume, refusal.
+
+The DeepSpeed tests (marker ``deepspeed``) run one process with DS_ACCELERATOR=cpu;
+the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached after).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from dapo import checkpoint
+from dapo.batch import SCORED_SCHEMA, collate, response_log_probs
+from dapo.config import DAPOConfig
+from dapo.policy import TinyPolicySpec, build_tiny_policy
+from dapo.trainer import (
+    STATE_DIR,
+    lr_at,
+    make_trainer,
+    minibatch_backward,
+    policy_update,
+    prepare_step,
+    trim_batch,
+)
+
+G = 4
+
+
+def shared_tiny_policy(tmp_path_factory) -> str:
+    """The tiny policy, built once per pytest session (tests/test_checkpoint.py shares it)."""
+    path = tmp_path_factory.getbasetemp() / "dapo-tiny-policy"
+    if not checkpoint.is_complete(path):
+        with checkpoint.atomic_dir(path) as scratch:
+            build_tiny_policy(scratch, TinyPolicySpec(warm_start_steps=10, warm_start_batch=8))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def policy_dir(tmp_path_factory) -> str:
+    return shared_tiny_policy(tmp_path_factory)
+
+
+def make_config(**overrides) -> DAPOConfig:
+    values = dict(
+        trainer_backend="torch",
+        n_samples_per_prompt=G,
+        train_prompt_bsz=4,
+        gen_prompt_bsz=4,
+        ppo_mini_batch_size=2,
+        micro_batch_size=0,
+        lr=1e-3,
+        warmup_steps=2,
+        weight_decay=0.01,
+        zero_stage=2,
+        dtype="float32",
+        seed=7,
+    )
+    values.update(overrides)
+    return DAPOConfig.tiny_cpu().replace(**values)
+
+
+def scored_table(groups: int = 4, seed: int = 0, truncated_every: int = 0, rewards=None, split_vocab=False) -> pa.Table:
+    """Hand-made scored rows: G responses of varied length per prompt, mixed rewards in each group.
+
+    split_vocab: rewarded responses draw their tokens from ids 1-149, the others from 150-299.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for g in range(groups):
+        prompt = [rng.randrange(1, 300) for _ in range(rng.randrange(5, 12))]
+        for i in range(G):
+            reward = rewards[g * G + i] if rewards is not None else (1.0 if (i + g) % 2 else -1.0)
+            low, high = ((1, 150) if reward > 0 else (150, 300)) if split_vocab else (1, 300)
+            response = [rng.randrange(low, high) for _ in range(rng.randrange(3, 11))]
+            rows.append(
+                dict(
+                    group_id=f"s{seed}-g{g}", prompt_uid=f"p{g}", sample_index=i, prompt="", ground_truth="",
+                    prompt_token_ids=prompt, response_token_ids=response, response_text="",
+                    rollout_log_probs=[-5.0] * len(response),
+                    truncated=bool(truncated_every) and i % truncated_every == 0,
+                    reward=reward, acc=float(reward > 0), correctness=reward, overlong_penalty=0.0, format_score=0.0,
+                )
+            )
+    return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
+
+
+def grads_of(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def accumulate(trainer, table, config) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Gradient of the whole table as ONE mini-batch, micro-batched per config (no step)."""
+    data = prepare_step(trainer, table, config, temperature=1.0)
+    result = minibatch_backward(trainer, data, torch.arange(table.num_rows), config, temperature=1.0)
+    grads = grads_of(trainer)
+    trainer.zero_grad()
+    return result, grads
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def sequence_log_probs(trainer, table) -> torch.Tensor:
+    batch = collate(table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist(), 0)
+    log_probs, _ = trainer.log_probs(batch, temperature=1.0)
+    return log_probs.sum(dim=-1)
+
+
+# --- schedule and helpers ---------------------------------------------------------------
+def test_lr_warmup_is_linear_over_policy_steps_then_constant():
+    config = make_config(lr=1e-6, warmup_steps=4)
+    assert [lr_at(config, s) for s in range(6)] == pytest.approx([0.25e-6, 0.5e-6, 0.75e-6, 1e-6, 1e-6, 1e-6])
+    assert lr_at(make_config(warmup_steps=0), 0) == pytest.approx(1e-3)
+
+
+def test_trimmed_forward_matches_padded_forward(policy_dir):
+    trainer = make_trainer(make_config(), policy_dir)
+    try:
+        table = scored_table(groups=2)
+        batch = collate(table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist(), 0)
+        short = batch.select(torch.tensor([0, 1]))  # shorter than the batch's padded width
+        trimmed = trim_batch(short)
+        assert trimmed.input_ids.shape[1] < short.input_ids.shape[1]
+        with torch.no_grad():
+            full, _ = response_log_probs(trainer.model, short)
+            ours, _ = trainer.forward(short, temperature=1.0)
+        mask = short.response_mask.bool()
+        assert ours.shape == full.shape
+        assert (ours[mask] - full[mask]).abs().max().item() < 1e-5
+    finally:
+        trainer.close()
+
+
+# --- exact accumulation -----------------------------------------------------------------
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_accumulate_to_the_whole_mini_batch_gradient(policy_dir, agg):
+    # Truncated rows masked out make some micro-batches token-poor: the weighting must still be exact.
+    table = scored_table(groups=4, truncated_every=3)
+    whole = make_config(loss_agg_mode=agg, micro_batch_size=0, overlong_filtering=True)
+    split = whole.replace(micro_batch_size=3)  # 16 responses -> 6 uneven micro-batches
+    trainer = make_trainer(whole, policy_dir)
+    try:
+        result_whole, grads_whole = accumulate(trainer, table, whole)
+        result_split, grads_split = accumulate(trainer, table, split)
+    finally:
+        trainer.close()
+    scale = max(g.abs().max().item() for g in grads_whole.values())
+    assert scale > 1e-4  # a real gradient
+    assert max_diff(grads_whole, grads_split) < 1e-5
+    assert result_split["pg_loss"] == pytest.approx(result_whole["pg_loss"], abs=1e-6)
+
+
+# --- the update's direction -------------------------------------------------------------
+def test_update_moves_positive_advantage_responses_up_relative_to_negative_ones(policy_dir):
+    # One Adam update is sign-like: it shifts a group's shared context as well, so a single
+    # response's absolute direction is not guaranteed on a near-random tiny model. What the
+    # objective guarantees (and what is checked, in every group): the advantage-weighted
+    # change is positive, and positive-advantage responses gain on the negative ones.
+    config = make_config(ppo_mini_batch_size=4, lr=2e-5, warmup_steps=0, weight_decay=0.0, micro_batch_size=5)
+    table = scored_table(groups=4, seed=3, split_vocab=True)
+    trainer = make_trainer(config, policy_dir)
+    try:
+        before = sequence_log_probs(trainer, table)
+        metrics = policy_update(trainer, table, config, step=0, temperature=1.0)
+        after = sequence_log_probs(trainer, table)
+    finally:
+        trainer.close()
+    assert metrics["num_updates"] == 1 and metrics["nonfinite_updates"] == 0
+    rewards = torch.tensor(table.column("reward").to_pylist())
+    delta = after - before
+    assert delta.abs().max() > 1e-3  # the policy moved
+    assert (rewards * delta).sum() > 0
+    for g in range(4):
+        d, r = delta[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G]
+        assert d[r > 0].mean() > d[r < 0].mean(), (g, delta)
+    assert delta[rewards > 0].mean() > delta[rewards < 0].mean()
+    assert metrics["rollout_logprob_diff"] > 0 and math.isfinite(metrics["entropy"])
+    assert metrics["tokens"] == sum(len(r) for r in table.column("response_token_ids").to_pylist())
+
+
+# --- overlong filtering -----------------------------------------------------------------
+def test_overlong_filtering_masks_truncated_rows_out_of_the_gradient(policy_dir):
+    table = scored_table(groups=2, truncated_every=2)
+    truncated = table.column("truncated").to_pylist()
+    # Same rows, but the truncated responses' tokens replaced (same lengths, same rewards).
+    responses = table.column("response_token_ids").to_pylist()
+    altered = [[(t * 7 + 3) % 299 + 1 for t in r] if cut else r for r, cut in zip(responses, truncated)]
+    other = table.set_column(table.schema.get_field_index("response_token_ids"), "response_token_ids",
+                             pa.array(altered, type=pa.list_(pa.int32())))
+    filtered = make_config(overlong_filtering=True)
+    unfiltered = make_config(overlong_filtering=False)
+    trainer = make_trainer(filtered, policy_dir)
+    try:
+        result, grads = accumulate(trainer, table, filtered)
+        _, grads_other = accumulate(trainer, other, filtered)
+        _, grads_raw = accumulate(trainer, table, unfiltered)
+        _, grads_raw_other = accumulate(trainer, other, unfiltered)
+        metrics = policy_update(trainer, table, filtered, step=0, temperature=1.0)
+    finally:
+        trainer.close()
+    assert any(truncated) and not all(truncated)
+    assert max_diff(grads, grads_other) < 1e-7  # truncated tokens do not reach the gradient
+    assert max_diff(grads_raw, grads_raw_other) > 1e-4  # ...but they do without filtering
+    kept = sum(len(r) for r, cut in zip(responses, truncated) if not cut)
+    assert metrics["loss_tokens"] == kept < metrics["tokens"]
+
+
+# --- non-finite loss ----------------------------------------------------------------------
+def run_nonfinite(config, policy_dir):
+    rewards = [float("nan")] * G + [1.0, -1.0, 1.0, -1.0]  # group 0's advantages are NaN
+    table = scored_table(groups=2, rewards=rewards)
+    trainer = make_trainer(config, policy_dir)
+    try:
+        before = trainer.named_weights()
+        all_bad = scored_table(groups=2, rewards=[float("nan")] * (2 * G))
+        refused = policy_update(trainer, all_bad, config, step=0, temperature=1.0)
+        unchanged = trainer.named_weights()
+        partial = policy_update(trainer, table, config.replace(ppo_mini_batch_size=1), step=1, temperature=1.0)
+        changed = trainer.named_weights()
+    finally:
+        trainer.close()
+    return before, refused, unchanged, partial, changed
+
+
+def check_nonfinite(before, refused, unchanged, partial, changed):
+    assert refused["nonfinite_updates"] == 1 and refused["num_updates"] == 0
+    assert max_diff(before, unchanged) == 0.0
+    assert partial["nonfinite_updates"] == 1 and partial["num_updates"] == 1
+    assert math.isfinite(partial["pg_loss"]) and math.isfinite(partial["grad_norm"])
+    assert max_diff(before, changed) > 0.0
+
+
+def test_nonfinite_loss_refuses_the_update_torch(policy_dir):
+    check_nonfinite(*run_nonfinite(make_config(micro_batch_size=3), policy_dir))
+
+
+# --- checkpoints and exact resume ---------------------------------------------------------
+def two_steps_and_resume(config, policy_dir, tmp_path):
+    """(weights after 2 steps in one trainer, after step 0 + save + resume + step 1, metrics, ckpt)."""
+    tables = [scored_table(groups=2, seed=10), scored_table(groups=2, seed=11)]
+    ckpt = tmp_path / f"{config.trainer_backend}-step0"
+    trainer = make_trainer(config, policy_dir)
+    try:
+        first = policy_update(trainer, tables[0], config, step=0, temperature=1.0)
+        trainer.save(ckpt)
+        after_first = trainer.named_weights()
+        policy_update(trainer, tables[1], config, step=1, temperature=1.0)
+        continuous = trainer.named_weights()
+    finally:
+        trainer.close()
+    resumed_trainer = make_trainer(config, ckpt)
+    try:
+        assert resumed_trainer.resumed and resumed_trainer.state.next_step == 1
+        policy_update(resumed_trainer, tables[1], config, step=1, temperature=1.0)
+        resumed = resumed_trainer.named_weights()
+    finally:
+        resumed_trainer.close()
+    return continuous, resumed, first, after_first, ckpt, tables
+
+
+def check_hf_checkpoint(ckpt: Path, expected: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert checkpoint.is_complete(ckpt, verify=True)
+    assert checkpoint.read_marker(ckpt)["step"] == 0
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (ckpt / name).is_file(), name
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    loaded = {name: p.detach().float() for name, p in model.named_parameters()}
+    assert max_diff(loaded, expected) == 0.0
+    assert AutoTokenizer.from_pretrained(ckpt).eos_token is not None
+
+
+def test_torch_backend_resumes_exactly_and_saves_an_hf_checkpoint(policy_dir, tmp_path):
+    config = make_config(micro_batch_size=3, ppo_mini_batch_size=1)
+    continuous, resumed, _, after_first, ckpt, tables = two_steps_and_resume(config, policy_dir, tmp_path)
+    assert max_diff(continuous, resumed) < 1e-6
+    check_hf_checkpoint(ckpt, after_first)
+    # Control: the same second step without the optimizer state lands elsewhere.
+    fresh_dir = tmp_path / "weights-only"
+    with checkpoint.atomic_dir(fresh_dir) as scratch:
+        for item in ckpt.iterdir():
+            if item.is_file() and item.name != checkpoint.COMPLETE_FILE:
+                (Path(scratch) / item.name).write_bytes(item.read_bytes())
+    trainer = make_trainer(config, fresh_dir)
+    try:
+        assert not trainer.resumed
+        policy_update(trainer, tables[1], config, step=1, temperature=1.0)
+        assert max_diff(continuous, trainer.named_weights()) > 1e-5
+    finally:
+        trainer.close()
+
+
+def test_optimizer_state_of_another_backend_is_refused(policy_dir, tmp_path):
+    ckpt = tmp_path / "deepspeed-ckpt"
+    with checkpoint.atomic_dir(ckpt) as scratch:
+        for item in Path(policy_dir).iterdir():
+            if item.is_file() and item.name != checkpoint.COMPLETE_FILE:
+                (Path(scratch) / item.name).write_bytes(item.read_bytes())
+        (Path(scratch) / STATE_DIR).mkdir()
+        (Path(scratch) / STATE_DIR / "meta.json").write_text('{"backend": "deepspeed", "next_step": 3}')
+    with pytest.raises(ValueError, match="not interchangeable"):
+        make_trainer(make_config(trainer_backend="torch"), ckpt)
+
+
+# --- DeepSpeed ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deepspeed_run(policy_dir, tmp_path_factory):
+    """DeepSpeed ZeRO-2 (split micro-batches) against the torch backend (whole mini-batches)."""
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    config = make_config(trainer_backend="deepspeed", zero_stage=2, micro_batch_size=3, ppo_mini_batch_size=1)
+    continuous, resumed, first, after_first, ckpt, tables = two_steps_and_resume(config, policy_dir, tmp)
+    reference = make_config(trainer_backend="torch", micro_batch_size=0, ppo_mini_batch_size=1)
+    trainer = make_trainer(reference, policy_dir)
+    try:
+        torch_first = policy_update(trainer, tables[0], reference, step=0, temperature=1.0)
+        torch_after_first = trainer.named_weights()
+    finally:
+        trainer.close()
+    return dict(continuous=continuous, resumed=resumed, first=first, after_first=after_first, ckpt=ckpt,
+                torch_first=torch_first, torch_after_first=torch_after_first, config=config)
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_accumulation_is_not_rescaled(deepspeed_run):
+    # grad_norm is the pre-clip norm of the accumulated gradient: any 1/GAS or 1/n_micro
+    # rescaling by DeepSpeed would show here (Adam itself is nearly scale-invariant).
+    ds, ref = deepspeed_run["first"], deepspeed_run["torch_first"]
+    assert ds["num_updates"] == ref["num_updates"] == 2
+    assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert ds["pg_loss"] == pytest.approx(ref["pg_loss"], abs=1e-6)
+    assert max_diff(deepspeed_run["after_first"], deepspeed_run["torch_after_first"]) < 1e-5
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_micro_gradients_equal_the_whole_batch(policy_dir):
+    safe_get_full_grad = pytest.importorskip("deepspeed.utils").safe_get_full_grad
+
+    table = scored_table(groups=2, truncated_every=3)
+    config = make_config(trainer_backend="deepspeed", micro_batch_size=3, overlong_filtering=True)
+    reference = make_trainer(config.replace(trainer_backend="torch", micro_batch_size=0), policy_dir)
+    try:
+        _, expected = accumulate(reference, table, reference.config)
+    finally:
+        reference.close()
+    trainer = make_trainer(config, policy_dir)
+    try:
+        data = prepare_step(trainer, table, config, temperature=1.0)
+        minibatch_backward(trainer, data, torch.arange(table.num_rows), config, temperature=1.0)
+        grads = {name: safe_get_full_grad(p).detach().clone() for name, p in trainer.engine.module.named_parameters()}
+        trainer.step()
+    finally:
+        trainer.close()
+    assert max_diff(grads, expected) < 1e-5
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_zero2_resumes_exactly(deepspeed_run):
+    assert max_diff(deepspeed_run["continuous"], deepspeed_run["resumed"]) < 1e-6
+    state = deepspeed_run["ckpt"] / STATE_DIR / "deepspeed" / "state"
+    assert any(p.name.endswith("optim_states.pt") for p in state.iterdir())
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_checkpoint_loads_with_transformers(deepspeed_run):
+    check_hf_checkpoint(deepspeed_run["ckpt"], deepspeed_run["after_first"])
+
+
+@pytest.mark.deepspeed
+def test_deepspeed_nonfinite_loss_refuses_the_update(policy_dir):
+    pytest.importorskip("deepspeed")
+    check_nonfinite(*run_nonfinite(make_config(trainer_backend="deepspeed", micro_batch_size=3), policy_dir))
