@@ -124,12 +124,12 @@ def make_arithmetic_table(n_rows: int, seed: int) -> pa.Table:
     return _verl_rows(chosen[:n_rows])
 
 
-def write_embedded_splits(directory: str | Path, seed: int, train_per_level: int = 500, val_per_level: int = 32) -> tuple[Path, Path]:
+def write_embedded_splits(directory: str | Path, seed: int, train_per_level: int = 80, val_per_level: int = 20) -> tuple[Path, Path]:
     """Train and validation parquet files with disjoint problems and every level in both.
 
-    Validation holds val_per_level problems of each level (a balanced score); training
-    the next train_per_level of each level, or what the level has left (level 0 has
-    only 100 problems).
+    Validation holds val_per_level problems of each level and training the next
+    train_per_level of each: both balanced over the levels, so validation measures what
+    training optimises (level 0 has 100 problems: the defaults use all of them).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

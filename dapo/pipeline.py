@@ -32,6 +32,9 @@ from dapo.sampling import informative_groups
 logger = logging.getLogger(__name__)
 
 TRAIN_FILE, VAL_FILE = "train.parquet", "val.parquet"
+EMBEDDED_SEED = 0
+"""The embedded task and starting policy are fixed; config.seed varies the RL run only
+(sampling, prompt choice, shuffling), so runs with several seeds share one start."""
 
 
 def derived_seed(config: DAPOConfig, *parts: int | str) -> int:
@@ -45,7 +48,7 @@ def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not config.train_data_path:
-        write_embedded_splits(out_dir, seed=config.seed)
+        write_embedded_splits(out_dir, seed=EMBEDDED_SEED)
         sources = {TRAIN_FILE: out_dir / TRAIN_FILE, VAL_FILE: out_dir / VAL_FILE}
     else:
         if not config.val_data_path:
@@ -85,7 +88,7 @@ def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> 
         if not config.model_path:
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-            spec = TinyPolicySpec(seed=config.seed, warm_start_steps=config.embedded_warm_start_steps)
+            spec = TinyPolicySpec(seed=EMBEDDED_SEED, warm_start_steps=config.embedded_warm_start_steps)
             stats = build_tiny_policy(scratch, spec, progress=progress)
         elif Path(config.model_path).is_dir():
             shutil.copytree(config.model_path, scratch, dirs_exist_ok=True)

@@ -6,6 +6,13 @@ split one per token, as Qwen2's tokenizer does), a small Qwen2-architecture mode
 with untied embeddings (vLLM's in-place weight reload needs untied ones), and a
 short supervised warm start so that the policy solves a minority of problems:
 groups are then mixed, and RL has signal.
+
+The warm start is deliberately sloppy about the layout: in a share of its examples
+(layout_noise) the final line is "The answer is N." instead of the "Answer: N" the
+prompt asks for, which the verifier cannot credit. The policy starts out often
+right and badly formatted, a flaw shared by every problem, so RL visibly fixes it
+within minutes on a CPU, held-out problems included: the first thing RL teaches
+base models in R1-Zero-style training too.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 # The tiny tokenizer's chat template: the user turns verbatim, then a newline.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}\n{% endif %}"
+# (A bare newline after a block tag would be trimmed by the chat renderer's trim_blocks.)
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
 
 
 @dataclass
@@ -40,17 +48,20 @@ class TinyPolicySpec:
     warm_start_steps: int = 600
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
+    layout_noise: float = 0.6
+    """Share of warm-start examples whose last line ignores the required answer layout."""
     seed: int = 0
 
 
-def response_text(problem: str, answer: str) -> str:
-    """One worked line, then the answer layout the DAPO prompt asks for.
+def response_text(problem: str, answer: str, required_layout: bool = True) -> str:
+    """One worked line, then the answer: in the layout the DAPO prompt asks for, or not.
 
     Restating the operands next to the result keeps the arithmetic local, which a
     tiny model learns far faster than reaching back into the prompt for them.
     """
     expression = problem.removeprefix("What is ").removesuffix("?")
-    return f"{expression} = {answer}\nAnswer: {answer}"
+    last_line = f"Answer: {answer}" if required_layout else f"The answer is {answer}."
+    return f"{expression} = {answer}\n{last_line}"
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int):
@@ -75,13 +86,14 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
     return wrapped
 
 
-def warm_start_examples(rng: random.Random, n: int) -> list[tuple[str, str]]:
-    """(prompt text, response text) pairs of the embedded task, all difficulty levels."""
+def warm_start_examples(rng: random.Random, n: int, layout_noise: float = 0.0) -> list[tuple[str, str]]:
+    """(prompt text, response text) pairs of the embedded task, all difficulty levels;
+    a share layout_noise of them ends without the required answer layout."""
     examples = []
     for _ in range(n):
         problem, answer = arithmetic_problem(rng, rng.randrange(len(DIFFICULTY_LEVELS)))
         prompt = DAPO_PROMPT_TEMPLATE.format(problem=problem) + "\n"
-        examples.append((prompt, response_text(problem, answer)))
+        examples.append((prompt, response_text(problem, answer, required_layout=rng.random() >= layout_noise)))
     return examples
 
 
@@ -136,7 +148,7 @@ def warm_start(model, tokenizer, rng: random.Random, spec: TinyPolicySpec, progr
     losses = []
     model.train()
     for step in range(spec.warm_start_steps):
-        pairs = warm_start_examples(rng, spec.warm_start_batch)
+        pairs = warm_start_examples(rng, spec.warm_start_batch, spec.layout_noise)
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
         responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for _, r in pairs]
         width = max(len(p) + len(r) for p, r in zip(prompts, responses))

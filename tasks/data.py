@@ -14,8 +14,8 @@ from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, scratch_dir
 
 
-DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row", "seed")
-POLICY_FIELDS = ("model_path", "embedded_warm_start_steps", "seed")
+DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row")
+POLICY_FIELDS = ("model_path", "embedded_warm_start_steps")
 
 ResolvedConfig = typing.NamedTuple("ResolvedConfig", [("config_json", str), ("data_json", str), ("policy_json", str)])
 
