@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dapo import checkpoint
@@ -59,8 +60,8 @@ def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
         records, report = load_prompts(source, on_bad_row=config.on_bad_row)
         write_records(records, out_dir / name)
         split = name.split(".")[0]
-        stats.update({f"data/{split}_rows": report.rows_read, f"data/{split}_kept": report.kept,
-                      f"data/{split}_duplicates": report.duplicates_dropped, f"data/{split}_bad_rows": report.bad_rows_skipped})
+        counts = {"rows": report.rows_read, "kept": report.kept, "duplicates": report.duplicates_dropped, "bad_rows": report.bad_rows_skipped}
+        stats.update({f"data/{split}_{name}": float(value) for name, value in counts.items()})
     return stats
 
 
@@ -117,7 +118,7 @@ def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round
     """Sample G responses for each of this round's prompts with the current policy."""
     from transformers import AutoTokenizer
 
-    from dapo.rollout import SamplingSettings, cached_rollout_engine
+    from dapo.rollout import SamplingSettings
 
     records, _ = load_prompts(Path(data_dir) / TRAIN_FILE)
     n_prompts = config.gen_prompt_bsz if config.dynamic_sampling else config.train_prompt_bsz
@@ -131,11 +132,7 @@ def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round
                        step, round_index, len(chosen) - len(keep), config.max_prompt_length)
     chosen, texts = [chosen[i] for i in keep], [texts[i] for i in keep]
 
-    engine = cached_rollout_engine(
-        config.rollout_backend, policy_dir, dtype=config.dtype,
-        max_model_len=config.max_prompt_length + config.max_response_length,
-        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
-    )
+    engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
         n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
         temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index),
@@ -144,24 +141,9 @@ def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round
     completions = engine.generate(texts, sampling, progress=progress)
     seconds = time.perf_counter() - started
     crash_point("rollout", step)
-    rows = []
-    for c in completions:
-        record = chosen[c.prompt_index]
-        rows.append({
-            "group_id": f"s{step}-r{round_index}-p{c.prompt_index}-{record.uid}",
-            "prompt_uid": record.uid,
-            "sample_index": c.sample_index,
-            "prompt": texts[c.prompt_index],
-            "ground_truth": record.ground_truth,
-            "prompt_token_ids": c.prompt_token_ids,
-            "response_token_ids": c.token_ids,
-            "response_text": c.text,
-            "rollout_log_probs": c.log_probs,
-            "truncated": c.truncated,
-        })
-    table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+    table = completion_table(completions, chosen, texts, group_prefix=f"s{step}-r{round_index}")
     tokens = sum(len(c.token_ids) for c in completions)
-    return table, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+    return table, {"rollout/seconds": seconds, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
 # --- rewards and dynamic sampling ----------------------------------------------------
@@ -311,34 +293,59 @@ def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_sa
     """avg@k accuracy on the held-out split at (val_temperature, val_top_p); and a few samples."""
     from transformers import AutoTokenizer
 
-    from dapo.rollout import SamplingSettings, cached_rollout_engine
+    from dapo.rollout import SamplingSettings
 
     records, _ = load_prompts(Path(data_dir) / VAL_FILE)
     if config.val_max_prompts:
         records = records[: config.val_max_prompts]
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     texts = [render_prompt(r, tokenizer) for r in records]
-    engine = cached_rollout_engine(
-        config.rollout_backend, policy_dir, dtype=config.dtype,
-        max_model_len=config.max_prompt_length + config.max_response_length,
-        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
-    )
+    engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
         n=config.val_n_samples, max_tokens=config.max_response_length,
         temperature=config.val_temperature, top_p=config.val_top_p, seed=derived_seed(config, "validation"),
     )
     completions = engine.generate(texts, sampling)
-    rows = [{
-        "group_id": f"val-{c.prompt_index}", "prompt_uid": records[c.prompt_index].uid, "sample_index": c.sample_index,
-        "prompt": texts[c.prompt_index], "ground_truth": records[c.prompt_index].ground_truth,
-        "prompt_token_ids": c.prompt_token_ids, "response_token_ids": c.token_ids, "response_text": c.text,
-        "rollout_log_probs": c.log_probs, "truncated": c.truncated,
-    } for c in completions]
-    scored = verify_rewards(config, pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), step=10**9)  # no format bonus in validation
+    # a step past any decay: validation scores without the format bonus
+    scored = verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=10**9)
     metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
-    samples = [{"step": step, "problem": r["prompt"][-120:], "ground_truth": r["ground_truth"], "response": r["response_text"],
-                "acc": a} for r, a in zip(rows[:: config.val_n_samples][:n_samples_table], scored.column("acc").to_pylist()[:: config.val_n_samples])]
+    first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
+    samples = [
+        {"step": step, "problem": row["prompt"][-120:], "ground_truth": row["ground_truth"], "response": row["response_text"], "acc": row["acc"]}
+        for row in first_samples.to_pylist()
+    ]
     return metrics, samples
+
+
+def policy_engine(config: DAPOConfig, policy_dir: str):
+    """The process's rollout engine, holding policy_dir's weights."""
+    from dapo.rollout import cached_rollout_engine
+
+    return cached_rollout_engine(
+        config.rollout_backend, policy_dir, dtype=config.dtype,
+        max_model_len=config.max_prompt_length + config.max_response_length,
+        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+    )
+
+
+def completion_table(completions, records: list[PromptRecord], texts: list[str], group_prefix: str) -> pa.Table:
+    """Completions as ROLLOUT_SCHEMA rows; a group is one prompt of one round."""
+    rows = [
+        {
+            "group_id": f"{group_prefix}-p{c.prompt_index}-{records[c.prompt_index].uid}",
+            "prompt_uid": records[c.prompt_index].uid,
+            "sample_index": c.sample_index,
+            "prompt": texts[c.prompt_index],
+            "ground_truth": records[c.prompt_index].ground_truth,
+            "prompt_token_ids": c.prompt_token_ids,
+            "response_token_ids": c.token_ids,
+            "response_text": c.text,
+            "rollout_log_probs": c.log_probs,
+            "truncated": c.truncated,
+        }
+        for c in completions
+    ]
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
 
 
 def load_table(path: str | Path) -> pa.Table:

@@ -63,5 +63,5 @@ def step_line(metrics: dict) -> str:
         f"step {metrics.get('step', '?'):>4} | val_acc {get('val/acc', '.3f')} | train_acc {get('train/acc', '.3f')} "
         f"| reward {get('train/reward_mean', '+.3f')} | entropy {get('actor/entropy', '.3f')} "
         f"| kept {get('sampling/kept_ratio', '.2f')} in {get('sampling/rounds', '.0f')} round(s) "
-        f"| {get('step/seconds', '.1f')} s"
+        f"| rollout+update {get('step/seconds', '.1f')} s"
     )

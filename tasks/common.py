@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from flytekit import Cache, current_context
+from flytekit import Cache, Resources, current_context
 from flytekit.core.hash import HashMethod
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
@@ -40,6 +40,17 @@ GPU_ACCELERATOR = GPUAccelerator(os.environ["DAPO_GPU_ACCELERATOR"]) if os.envir
 """Flyte turns an accelerator into a node selector on the label its propagator is
 configured with; set DAPO_GPU_ACCELERATOR (e.g. nvidia-h100) at registration time
 where nodes carry that label. Unset, GPU tasks land on any GPU node (pod template)."""
+
+
+
+def on_gpu(cpu: str, mem: str) -> dict:
+    """Task settings of a one-GPU pod on the dapo-gpu pod template."""
+    return {
+        "requests": Resources(cpu=cpu, mem=mem, gpu="1"),
+        "accelerator": GPU_ACCELERATOR,
+        "pod_template_name": GPU_POD_TEMPLATE_NAME,
+    }
+
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

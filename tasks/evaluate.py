@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import typing
 
-from flytekit import Deck, Resources, task
+from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, LoopState, cache, load_config
+from tasks.common import Checkpoint, LoopState, cache, load_config, on_gpu
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", list[dict])])
 
@@ -17,9 +17,7 @@ EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("s
 @task(
     cache=cache("evaluate"),
     container_image=ROLLOUT_IMAGE,
-    requests=Resources(cpu="8", mem="64Gi", gpu="1"),
-    accelerator=GPU_ACCELERATOR,
-    pod_template_name=GPU_POD_TEMPLATE_NAME,
+    **on_gpu(cpu="8", mem="64Gi"),
     enable_deck=True,
 )
 def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, loop_state: str) -> EvalOutput:

@@ -10,7 +10,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, cache, load_config
+from tasks.common import Checkpoint, cache, load_config, on_gpu
 
 RolloutOutput = typing.NamedTuple("RolloutOutput", [("responses", pa.Table), ("metrics", dict[str, float])])
 FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
@@ -19,16 +19,14 @@ FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampl
 @task(
     cache=cache("rollout"),
     container_image=ROLLOUT_IMAGE,
-    requests=Resources(cpu="8", mem="64Gi", gpu="1"),
-    accelerator=GPU_ACCELERATOR,
-    pod_template_name=GPU_POD_TEMPLATE_NAME,
+    **on_gpu(cpu="8", mem="64Gi"),
 )
 def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int) -> RolloutOutput:
     """G sampled responses per prompt of this round, with the sampler's token log-probs."""
     from tqdm import tqdm
 
     config = load_config(config_json)
-    with tqdm(desc=f"rollout step {step} round {round_index}", unit="prompt", leave=False) as bar:
+    with tqdm(desc=f"rollout step {step} round {round_index}", unit="sample", leave=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)

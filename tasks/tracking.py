@@ -52,7 +52,8 @@ def log_step(config_json: str, target_json: str, loop_state: str, step: int, ste
             f"step {step}: {state.bad_steps} consecutive steps with a non-finite loss or gradient "
             f"(max_bad_steps={config.max_bad_steps}); the last good checkpoint is the input of this step"
         )
-    state.history.append({"step": step, **step_metrics})
+    seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
+    state.history.append({"step": step, **step_metrics, "step/seconds": seconds})
     print(report.step_line(state.history[-1]), flush=True)
     state.pending = tracking.deliver(run_target(target_json), state.pending + [tracking.metrics_record(step, step_metrics)], materialize=_materialize)
     return state.to_json()

@@ -6,12 +6,12 @@ import time
 import typing
 
 import pyarrow as pa
-from flytekit import Deck, Resources, task
+from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import TRAINER_IMAGE
-from tasks.common import GPU_ACCELERATOR, GPU_POD_TEMPLATE_NAME, Checkpoint, LoopState, cache, load_config, scratch_dir
+from tasks.common import Checkpoint, LoopState, cache, load_config, on_gpu, scratch_dir
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
 
@@ -19,9 +19,7 @@ StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics"
 @task(
     cache=cache("policy_step"),
     container_image=TRAINER_IMAGE,
-    requests=Resources(cpu="16", mem="128Gi", gpu="1"),
-    accelerator=GPU_ACCELERATOR,
-    pod_template_name=GPU_POD_TEMPLATE_NAME,
+    **on_gpu(cpu="16", mem="128Gi"),
     enable_deck=True,
 )
 def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int, loop_state: str) -> StepOutput:

@@ -21,7 +21,7 @@ SMALL = {
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 
-def pyflyte_run(home: Path, *args: str, crash_at: str = "", timeout: int = 900) -> subprocess.CompletedProcess:
+def pyflyte_run(home: Path, *args: str, crash_at: str = "", seed: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "HOME": str(home),  # flytekit's local cache lives under ~/.flyte: one per test
@@ -32,7 +32,8 @@ def pyflyte_run(home: Path, *args: str, crash_at: str = "", timeout: int = 900) 
     env.pop("DAPO_CRASH_AT", None)
     if crash_at:
         env["DAPO_CRASH_AT"] = crash_at
-    command = [str(PYFLYTE), "run", "workflows/dapo.py", "dapo_loop", "--overrides_json", json.dumps(SMALL), *args]
+    overrides = json.dumps({**SMALL, "seed": seed})
+    command = [str(PYFLYTE), "run", "workflows/dapo.py", "dapo_loop", "--overrides_json", overrides, *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
@@ -41,15 +42,20 @@ def step_lines(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
+def home(tmp_path_factory):
+    """One local Flyte cache for the module: data and the starting policy are built once."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def first_run(home):
     result = pyflyte_run(home, "--total_steps", "2", "--model_name", "e2e-policy")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return home, result
+    return result
 
 
-def test_local_run_completes_logs_steps_and_registers(first_run):
-    home, result = first_run
+def test_local_run_completes_logs_steps_and_registers(first_run, home):
+    result = first_run
     lines = step_lines(result.stdout)
     assert any(line.startswith("step    0 |") for line in lines)  # validation of the starting policy
     assert any(line.startswith("step    2 |") for line in lines)
@@ -66,24 +72,22 @@ def test_local_run_completes_logs_steps_and_registers(first_run):
     assert {"actor/entropy", "sampling/kept_ratio", "val/acc", "rollout/tokens_per_s"} <= set(run.data.metrics)
 
 
-def test_rerun_is_served_from_cache(first_run):
-    home, _ = first_run
+def test_rerun_is_served_from_cache(first_run, home):
     again = pyflyte_run(home, "--total_steps", "2", "--model_name", "e2e-policy")
     assert again.returncode == 0, again.stderr[-3000:]
     assert step_lines(again.stdout) == []  # no task ran again: every step line comes from a task that ran
 
 
-@pytest.mark.parametrize("point", ["rollout", "policy_step", "checkpoint_commit"])
-def test_killed_run_resumes_after_the_last_completed_step(tmp_path, point):
-    home = tmp_path / "home"
-    home.mkdir()
-    killed = pyflyte_run(home, "--total_steps", "2", crash_at=f"{point}@1")
+@pytest.mark.parametrize("seed, point", [(1, "rollout"), (2, "policy_step"), (3, "checkpoint_commit")])
+def test_killed_run_resumes_after_the_last_completed_step(first_run, home, seed, point):
+    """Another seed per case: the shared data and starting policy come from the cache, the steps do not."""
+    killed = pyflyte_run(home, "--total_steps", "2", crash_at=f"{point}@1", seed=seed)
     assert killed.returncode == -signal.SIGKILL
     done_before_kill = step_lines(killed.stdout)
     assert any(line.startswith("step    1 |") for line in done_before_kill)  # step index 0 finished
     assert not any(line.startswith("step    2 |") for line in done_before_kill)
 
-    resumed = pyflyte_run(home, "--total_steps", "2")
+    resumed = pyflyte_run(home, "--total_steps", "2", seed=seed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = step_lines(resumed.stdout)
     assert not any(line.startswith("step    1 |") for line in lines), "step 1 must come from the cache"
