@@ -282,6 +282,24 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
     return metrics
 
 
+class TooManyBadSteps(RuntimeError):
+    """Consecutive policy steps whose every update was refused as non-finite."""
+
+
+def count_bad_steps(bad_steps: int, step_metrics: dict[str, float], max_bad_steps: int, step: int) -> int:
+    """Consecutive bad steps after this one: a step is bad when it refused at least one
+    non-finite update and applied none. Raises TooManyBadSteps at max_bad_steps."""
+    refused = step_metrics.get("actor/nonfinite_updates", 0.0)
+    bad = refused > 0 and step_metrics.get("actor/num_updates", 0.0) == 0
+    bad_steps = bad_steps + 1 if bad else 0
+    if bad_steps >= max_bad_steps:
+        raise TooManyBadSteps(
+            f"step {step}: {bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(max_bad_steps={max_bad_steps}); the last good checkpoint is the input of this step"
+        )
+    return bad_steps
+
+
 def copy_checkpoint(source: str | Path, target: str | Path, step: int) -> None:
     """The unchanged policy (weights and optimizer state) as the checkpoint of a skipped step."""
     with checkpoint.atomic_dir(target, step=step) as scratch:

@@ -10,7 +10,7 @@ import typing
 from flytekit import Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
-from dapo import report, tracking
+from dapo import pipeline, report, tracking
 from images.specs import CPU_IMAGE
 from tasks.common import Checkpoint, LoopState, cache, load_config
 
@@ -45,13 +45,7 @@ def log_step(config_json: str, target_json: str, loop_state: str, step: int, ste
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
     config = load_config(config_json)
     state = LoopState.from_json(loop_state)
-    refused = step_metrics.get("actor/nonfinite_updates", 0.0) > 0 and step_metrics.get("actor/nonfinite_updates") >= step_metrics.get("actor/num_updates", 1.0)
-    state.bad_steps = state.bad_steps + 1 if refused else 0
-    if state.bad_steps >= config.max_bad_steps:
-        raise RuntimeError(
-            f"step {step}: {state.bad_steps} consecutive steps with a non-finite loss or gradient "
-            f"(max_bad_steps={config.max_bad_steps}); the last good checkpoint is the input of this step"
-        )
+    state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
     seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
     state.history.append({"step": step, **step_metrics, "step/seconds": seconds})
     print(report.step_line(state.history[-1]), flush=True)

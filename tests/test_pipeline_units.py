@@ -6,7 +6,7 @@ import pytest
 from dapo import checkpoint
 from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
-from dapo.pipeline import SamplingState, batch_metrics, filter_groups, policy_step, verify_rewards
+from dapo.pipeline import SamplingState, TooManyBadSteps, batch_metrics, count_bad_steps, filter_groups, policy_step, verify_rewards
 
 
 def rollout_table(groups: dict[str, list[str]], truth: str = "12", lengths: list[int] | None = None) -> pa.Table:
@@ -97,3 +97,16 @@ def test_batch_metrics():
     scored = verify_rewards(config(), rollout_table({"a": ["Answer: 12", "Answer: 7"]}, lengths=[4, 8]), 0)
     m = batch_metrics(scored, "train/")
     assert m["train/acc"] == 0.5 and m["train/response_length_mean"] == 6 and m["train/response_length_max"] == 8
+
+
+def test_run_stops_after_max_bad_steps_in_a_row():
+    bad = {"actor/nonfinite_updates": 4.0, "actor/num_updates": 0.0}
+    good = {"actor/nonfinite_updates": 1.0, "actor/num_updates": 3.0}  # one refused, others applied: not bad
+    count = count_bad_steps(0, bad, max_bad_steps=3, step=1)
+    count = count_bad_steps(count, bad, max_bad_steps=3, step=2)
+    assert count == 2
+    assert count_bad_steps(count, good, max_bad_steps=3, step=3) == 0  # a good step resets the count
+    with pytest.raises(TooManyBadSteps, match="step 6: 3 consecutive steps"):
+        count = 0
+        for step in (4, 5, 6):
+            count = count_bad_steps(count, bad, max_bad_steps=3, step=step)
