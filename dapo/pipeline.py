@@ -265,6 +265,7 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
     if groups == 0 or (short and config.on_short_batch == "skip"):
         logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
                        step, groups, state.rounds, config.train_prompt_bsz, config.on_short_batch)
+        crash_point("policy_step", step)  # the kill tests reach this task on either path
         copy_checkpoint(policy_dir, out_dir, step)
         metrics["step/skipped"] = 1.0
         return metrics
