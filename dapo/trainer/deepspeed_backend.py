@@ -165,7 +165,7 @@ class DeepSpeedTrainer(PolicyTrainer):
                 logger.warning(
                     "the optimizer state in %s was written by %d rank(s), this run has %d: ZeRO partitions "
                     "follow the data-parallel size, so DeepSpeed may refuse it (convert it with DeepSpeed's "
-                    "universal checkpoint tools, or keep trainer_nnodes x trainer_nproc_per_node fixed)",
+                    "universal checkpoint tools, or keep the number of training processes fixed)",
                     state_dir, self.state.world_size, self.world_size,
                 )
             load_path, _ = self.engine.load_checkpoint(
