@@ -16,7 +16,8 @@ from pathlib import Path
 from flytekit import Resources, dynamic, task, workflow
 from flytekit.types.file import FlyteFile
 
-from dapo import ablation, tracking
+from dapo import ablation as study
+from dapo import tracking
 from images.specs import CPU_IMAGE
 from tasks.common import LoopState
 from workflows.dapo import dapo_loop
@@ -29,8 +30,8 @@ def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, 
     """Launch every (variant, seed) run; returns their final loop states in grid order."""
     base = json.loads(base_overrides_json)
     states = []
-    for variant, seed in ablation.grid(seeds):
-        overrides = {**base, **ablation.variant_overrides(variant), "seed": seed}
+    for variant, seed in study.grid(seeds):
+        overrides = {**base, **study.variant_overrides(variant), "seed": seed}
         _, state = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps(overrides, sort_keys=True), total_steps=total_steps,
             train_data="", val_data="", mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment="dapo-ablation",
@@ -46,11 +47,11 @@ def ablation_report(states: list[str], seeds: list[int], mlflow_tracking_uri: st
 ):
     """The table (markdown) and curves; also written under benchmarks/results/ and logged to MLflow."""
     histories = [LoopState.from_json(s).history for s in states]
-    rows = ablation.summarize(histories, seeds)
-    table = ablation.markdown_table(rows)
+    rows = study.summarize(histories, seeds)
+    table = study.markdown_table(rows)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot = RESULTS_DIR / "ablation_curves.png"
-    ablation.plot_curves(histories, seeds, plot)
+    study.plot_curves(histories, seeds, plot)
     (RESULTS_DIR / "ablation_table.md").write_text(table + "\n")
     (RESULTS_DIR / "ablation_histories.json").write_text(json.dumps({"seeds": seeds, "histories": histories}))
     print(table, flush=True)
