@@ -104,15 +104,6 @@ def collate_table(table: pa.Table, pad_token_id: int) -> PolicyBatch:
     )
 
 
-def padded_rollout_log_probs(table: pa.Table, response_len: int) -> torch.Tensor:
-    """The sampler's per-token log-probs as a (B, R) tensor, zero on padding."""
-    rows = table.column("rollout_log_probs").to_pylist()
-    out = torch.zeros((len(rows), response_len), dtype=torch.float32)
-    for i, values in enumerate(rows):
-        out[i, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
-    return out
-
-
 def response_log_probs(
     model: torch.nn.Module,
     batch: PolicyBatch,

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from dapo import checkpoint
 from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
-from dapo.data import PromptRecord, load_prompts, render_prompt, write_embedded_splits
+from dapo.data import VERL_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
 from dapo.faults import crash_point
 from dapo.rewards import format_reward_weight, score_response
 from dapo.sampling import informative_groups
@@ -67,8 +67,6 @@ def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
 
 def write_records(records: list[PromptRecord], path: Path) -> None:
     """Normalised records back to verl format (so later tasks read one clean schema)."""
-    from dapo.data import VERL_SCHEMA
-
     rows = [
         {
             "data_source": r.data_source,
@@ -365,8 +363,3 @@ def completion_table(completions, records: list[PromptRecord], texts: list[str],
         for c in completions
     ]
     return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
-
-
-def load_table(path: str | Path) -> pa.Table:
-    return pq.read_table(path)
-
