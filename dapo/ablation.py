@@ -63,14 +63,14 @@ def summarize(histories: list[list[dict]], seeds: list[int]) -> list[dict]:
     for variant, runs in sorted(by_variant.items()):
         finals = [v for v in (final_value(h, "val/acc") for h in runs) if v is not None]
         entropies = [v for v in (final_value(h, "actor/entropy") for h in runs) if v is not None]
-        kept = [v for v in (mean_of(h, "sampling/kept_groups") for h in runs) if v is not None]
+        informative = [v for v in (mean_of(h, "sampling/informative_groups") for h in runs) if v is not None]
         rows.append({
             "variant": VARIANTS[variant][0],
             "val_acc_mean": statistics.fmean(finals) if finals else float("nan"),
             "val_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "val_acc_start": statistics.fmean(v for v in (h[0].get("val/acc") for h in runs) if v is not None) if runs and "val/acc" in runs[0][0] else float("nan"),
             "final_entropy": statistics.fmean(entropies) if entropies else float("nan"),
-            "groups_trained_per_step": statistics.fmean(kept) if kept else float("nan"),
+            "informative_groups_per_step": statistics.fmean(informative) if informative else float("nan"),
             "seeds": len(runs),
         })
     return rows
@@ -84,7 +84,7 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['val_acc_mean']:.3f} ± {r['val_acc_std']:.3f} | {r['val_acc_start']:.3f} "
-            f"| {r['final_entropy']:.3f} | {r['groups_trained_per_step']:.1f} | {r['seeds']} |"
+            f"| {r['final_entropy']:.3f} | {r['informative_groups_per_step']:.1f} | {r['seeds']} |"
         )
     return "\n".join(lines)
 
@@ -97,7 +97,7 @@ def plot_curves(histories: list[list[dict]], seeds: list[int], path: str | Path)
     import matplotlib.pyplot as plt
 
     panels = (("val/acc", "validation accuracy"), ("actor/entropy", "policy entropy"),
-              ("train/response_length_mean", "mean response length"), ("sampling/kept_groups", "informative groups trained"))
+              ("train/response_length_mean", "mean response length"), ("sampling/informative_groups", "informative groups trained"))
     fig, axes = plt.subplots(1, 4, figsize=(18, 4), constrained_layout=True)
     runs_by_variant: dict[int, list[list[dict]]] = {}
     for (variant, _), history in zip(grid(seeds), histories):

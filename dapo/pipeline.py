@@ -249,9 +249,12 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
     """
     from dapo.trainer import make_trainer, policy_update
 
-    groups = len(set(batch.column("group_id").to_pylist())) if batch.num_rows else 0
+    group_ids = batch.column("group_id").to_pylist()
+    groups = len(set(group_ids))
     metrics: dict[str, float] = {
         "sampling/kept_groups": float(groups),
+        # groups with a non-zero advantage somewhere, whether or not dynamic sampling ran
+        "sampling/informative_groups": float(len(informative_groups(batch.column("reward").to_pylist(), group_ids))),
         "sampling/rounds": float(state.rounds),
         "sampling/kept_ratio": state.kept_groups / state.generated_groups if state.generated_groups else 0.0,
         "rollout/tokens": state.rollout_tokens,

@@ -25,12 +25,12 @@ def test_summary_means_and_spreads_over_seeds(tmp_path):
     histories = []
     for variant, seed in ablation.grid(seeds):
         final = 0.1 * variant + 0.02 * seed
-        histories.append([{"step": 0, "val/acc": 0.05}, {"step": 1, "actor/entropy": 0.3, "sampling/kept_groups": 4.0},
+        histories.append([{"step": 0, "val/acc": 0.05}, {"step": 1, "actor/entropy": 0.3, "sampling/informative_groups": 4.0},
                           {"step": 2, "val/acc": final, "actor/entropy": 0.2}])
     rows = ablation.summarize(histories, seeds)
     assert [r["variant"] for r in rows] == [name for name, _ in ablation.VARIANTS]
     assert math.isclose(rows[2]["val_acc_mean"], 0.21) and math.isclose(rows[2]["val_acc_std"], 0.0141421356, rel_tol=1e-6)
-    assert rows[0]["val_acc_start"] == 0.05 and rows[0]["final_entropy"] == 0.2
+    assert rows[0]["val_acc_start"] == 0.05 and rows[0]["final_entropy"] == 0.2 and rows[0]["informative_groups_per_step"] == 4.0
     assert "| + dynamic sampling (DAPO) |" in ablation.markdown_table(rows)
     ablation.plot_curves(histories, seeds, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000

@@ -45,6 +45,7 @@ def test_one_step_end_to_end(run_dirs):
     metrics = policy_step(config, policy0, kept, state, step=0, out_dir=root / "policy-1")
     assert metrics["step/skipped"] == 0.0
     assert metrics["actor/num_updates"] >= 1
+    assert metrics["sampling/informative_groups"] == metrics["sampling/kept_groups"] == len(groups)  # all mixed: filtered
     assert abs(metrics["actor/rollout_logprob_diff"]) < 1e-3  # vLLM's log-probs == DeepSpeed's recomputation
     assert checkpoint.is_complete(root / "policy-1")
 

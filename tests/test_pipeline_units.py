@@ -82,6 +82,17 @@ def test_without_dynamic_sampling_every_group_is_kept():
     assert state.done and batch.num_rows == 4
 
 
+def test_informative_groups_are_counted_without_dynamic_sampling(tmp_path):
+    cfg = config(dynamic_sampling=False, train_prompt_bsz=4, gen_prompt_bsz=4, on_short_batch="skip")
+    mixed = verify_rewards(cfg, rollout_table({"a": ["Answer: 12", "Answer: 12"], "b": ["Answer: 12", "y"]}), 0)
+    batch, state = filter_groups(cfg, mixed, None, SamplingState(), {})
+    source = tmp_path / "policy"
+    with checkpoint.atomic_dir(source, step=0) as scratch:
+        open(f"{scratch}/model.safetensors", "wb").write(b"weights")
+    metrics = policy_step(cfg, str(source), batch, state, 0, tmp_path / "next")
+    assert (metrics["sampling/kept_groups"], metrics["sampling/informative_groups"]) == (2.0, 1.0)
+
+
 def test_empty_batch_skips_the_step_and_keeps_the_policy(tmp_path):
     source = tmp_path / "policy"
     with checkpoint.atomic_dir(source, step=0) as scratch:
@@ -89,6 +100,7 @@ def test_empty_batch_skips_the_step_and_keeps_the_policy(tmp_path):
     empty = SCORED_SCHEMA.empty_table()
     metrics = policy_step(config(), str(source), empty, SamplingState(rounds=3, generated_groups=9), 0, tmp_path / "next")
     assert metrics["step/skipped"] == 1.0 and metrics["sampling/kept_ratio"] == 0.0
+    assert metrics["sampling/informative_groups"] == 0.0
     assert (tmp_path / "next" / "model.safetensors").read_bytes() == b"weights"
     assert checkpoint.is_complete(tmp_path / "next")
 
