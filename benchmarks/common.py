@@ -1,0 +1,68 @@
+"""What several benchmarks share: the embedded starting point and a local dapo_loop run."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a benchmark's worker process: the repo importable."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prepare_start(work: Path) -> None:
+    """The embedded data and the warm-started tiny policy under work/ (kept for reuse)."""
+    from dapo import checkpoint, pipeline
+    from dapo.config import DAPOConfig
+
+    if checkpoint.is_complete(work / "policy-0") and (work / "data" / pipeline.VAL_FILE).exists():
+        print(f"reusing the data and starting policy in {work}", flush=True)
+        return
+    config = DAPOConfig.tiny_cpu()
+    print("preparing the embedded data and the warm-started tiny policy (about 2 minutes) ...", flush=True)
+    pipeline.prepare_data(config, work / "data")
+    pipeline.bootstrap_policy(config, work / "policy-0")
+
+
+def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[str, list[dict], float]:
+    """dapo_loop from work/'s starting point, executed locally by flytekit with caching off.
+
+    Returns the final checkpoint path, the metric history and the seconds spent in
+    validation (pipeline.evaluate), which benchmarks of the step loop leave out.
+    """
+    os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
+    from dapo import pipeline
+    from tasks.common import LoopState
+    from workflows.dapo import dapo_loop
+
+    evaluate = pipeline.evaluate
+    eval_seconds = 0.0
+
+    def timed_evaluate(*args, **kwargs):
+        nonlocal eval_seconds
+        started = time.perf_counter()
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            eval_seconds += time.perf_counter() - started
+
+    pipeline.evaluate = timed_evaluate
+    try:
+        policy, loop_state = dapo_loop(
+            preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
+            total_steps=steps, train_data=str(work / "data" / pipeline.TRAIN_FILE), val_data=str(work / "data" / pipeline.VAL_FILE),
+            mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
+        )
+    finally:
+        pipeline.evaluate = evaluate
+    return policy.path, LoopState.from_json(loop_state).history, eval_seconds

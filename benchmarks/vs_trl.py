@@ -1,0 +1,256 @@
+"""Our DAPO pipeline vs Hugging Face TRL's GRPOTrainer, side by side in one run.
+
+Same starting policy (the embedded tiny Qwen2 after its warm start), same task and
+data, same prompts per step (16), G (8), max response length (32), updates per step
+(4 mini-batches of 4 prompts), learning rate, seed and number of steps; the same
+reward function (ours: correctness, soft overlong punishment, decaying soft format
+reward), passed to TRL as a reward function.
+
+Runs, each in its own process (so peak memory is its own), caching off:
+
+- ``ours``: ``dapo_loop`` executed locally by flytekit, exactly as ``make run`` does
+  (vLLM rollout, DeepSpeed update, MLflow tracking, checkpoints between tasks), full
+  DAPO: dynamic sampling draws up to 3 rounds of 32 prompts to fill 16 informative groups.
+- ``ours-nods``: the same without dynamic sampling: 16 prompts x 8 generated per step,
+  the work TRL does per step.
+- ``trl``: ``GRPOTrainer`` configured as close to DAPO as TRL allows: ``loss_type="dapo"``
+  (token-level loss), ``epsilon=0.2``/``epsilon_high=0.28`` (clip-higher),
+  ``mask_truncated_completions=True``, ``beta=0`` (no KL), group-std advantages, no
+  dynamic sampling (TRL has none). Generation with ``transformers`` (TRL's default;
+  its vLLM modes need a GPU server or CUDA colocation).
+
+Per run: wall time per step (training only: evaluation is excluded on both sides),
+generated tokens/s, peak RSS of the process; then every final model is validated by
+the same function (``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems).
+
+    make bench-trl                                   # installs the bench extra, then runs
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--runs ours,ours-nods,trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, child_env, peak_rss_mib, prepare_start, run_dapo_loop
+RUNS = ("ours", "ours-nods", "trl")
+
+
+def base_config(steps: int):
+    """The tiny_cpu preset with this benchmark's step count; validation only at the end."""
+    from dapo.config import DAPOConfig
+
+    return DAPOConfig.tiny_cpu().replace(total_steps=steps, val_every=0)
+
+
+# --- ours -------------------------------------------------------------------------
+def run_ours(work: Path, steps: int, dynamic_sampling: bool) -> dict:
+    """dapo_loop, local flytekit execution, caching off; validation time is excluded."""
+    name = "vs-trl-ours" if dynamic_sampling else "vs-trl-ours-nods"
+    started = time.perf_counter()
+    model_dir, history, eval_seconds = run_dapo_loop(work, steps, {"val_every": 0, "dynamic_sampling": dynamic_sampling}, name)
+    return {
+        "train_seconds": time.perf_counter() - started - eval_seconds,
+        "eval_seconds_excluded": eval_seconds,
+        "generated_tokens": sum(h.get("rollout/tokens", 0.0) for h in history),
+        "trained_groups": sum(h.get("sampling/kept_groups", 0.0) for h in history),
+        "model_dir": model_dir,
+    }
+
+
+# --- TRL --------------------------------------------------------------------------
+class DapoReward:
+    """Our rule-based reward as a TRL reward function (``reward_funcs=[DapoReward(...)]``).
+
+    TRL's global_step counts optimizer updates; our format-reward decay counts policy
+    steps, which are updates_per_step updates each. Also counts the generated tokens.
+    """
+
+    __name__ = "dapo_reward"
+
+    def __init__(self, config, updates_per_step: int):
+        self.config = config
+        self.updates_per_step = updates_per_step
+        self.generated_tokens = 0
+
+    def __call__(self, prompts, completions, completion_ids, ground_truth, trainer_state=None, **_) -> list[float]:
+        from dapo.rewards import format_reward_weight, score_response
+
+        config = self.config
+        step = (trainer_state.global_step if trainer_state is not None else 0) // self.updates_per_step
+        weight = format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight)
+        self.generated_tokens += sum(len(ids) for ids in completion_ids)
+        rewards = []
+        for completion, truth, ids in zip(completions, ground_truth, completion_ids):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            score = score_response(
+                text, truth, len(ids), max_len=config.max_response_length, buffer_len=config.overlong_buffer_len,
+                overlong_factor=config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
+                format_weight=weight,
+            )
+            rewards.append(float(score["reward"]))
+        return rewards
+
+
+def trl_arguments(config, output_dir: str) -> dict:
+    """GRPOConfig arguments mirroring our DAPOConfig (one TRL step = one of our mini-batch updates)."""
+    updates_per_step = config.train_prompt_bsz // config.ppo_mini_batch_size
+    return dict(
+        output_dir=output_dir,
+        max_steps=config.total_steps * updates_per_step,
+        per_device_train_batch_size=config.ppo_mini_batch_size * config.n_samples_per_prompt,
+        gradient_accumulation_steps=1,
+        steps_per_generation=updates_per_step,
+        num_generations=config.n_samples_per_prompt,
+        num_iterations=config.ppo_epochs,
+        max_completion_length=config.max_response_length,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        learning_rate=config.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=config.warmup_steps * updates_per_step,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.grad_clip,
+        loss_type="dapo",
+        epsilon=config.clip_low,
+        epsilon_high=config.clip_high,
+        mask_truncated_completions=True,
+        beta=0.0,
+        scale_rewards="group",
+        disable_dropout=True,
+        use_cpu=True,
+        bf16=False,
+        seed=config.seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=updates_per_step,
+        log_completions=False,
+        dataloader_num_workers=0,
+    )
+
+
+def run_trl(work: Path, steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dapo import pipeline
+    from dapo.data import load_prompts
+
+    config = base_config(steps)
+    records, _ = load_prompts(work / "data" / pipeline.TRAIN_FILE)
+    dataset = Dataset.from_list([{"prompt": r.chat, "ground_truth": r.ground_truth} for r in records])
+    out_dir = work / "trl"
+    reward = DapoReward(config, config.train_prompt_bsz // config.ppo_mini_batch_size)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(work / "policy-0")
+    tokenizer = AutoTokenizer.from_pretrained(work / "policy-0")
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[reward], args=GRPOConfig(**trl_arguments(config, str(out_dir))),
+        train_dataset=dataset, processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.save_model(str(out_dir / "final"))
+    wall = time.perf_counter() - started
+    return {
+        "train_seconds": wall,
+        "eval_seconds_excluded": 0.0,
+        "generated_tokens": float(reward.generated_tokens),
+        "trained_groups": float(config.train_prompt_bsz * steps),
+        "model_dir": str(out_dir / "final"),
+    }
+
+
+# --- driver -----------------------------------------------------------------------
+def worker(name: str, work: Path, steps: int) -> None:
+    result = run_trl(work, steps) if name == "trl" else run_ours(work, steps, dynamic_sampling=name == "ours")
+    result["peak_rss_mib"] = peak_rss_mib()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(name: str, work: Path, steps: int) -> dict:
+    command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--steps", str(steps)]
+    print(f"running {name} ({steps} steps) ...", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=REPO)
+    (work / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stderr[-4000:])
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); full log: {work / f'{name}.log'}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    print(f"  {name}: {time.perf_counter() - started:.0f} s in all, {result['train_seconds'] / steps:.2f} s/step", flush=True)
+    return result
+
+
+def validate(results: dict[str, dict], work: Path, steps: int) -> None:
+    """Every final model (and the start) through the same validation function."""
+    from dapo import pipeline
+
+    config = base_config(steps)
+    start, _ = pipeline.evaluate(config, str(work / "policy-0"), str(work / "data"), step=0)
+    results["start"] = {"val/acc": start["val/acc"], "val/format_score": start["val/format_score"]}
+    for name, result in results.items():
+        if name != "start":
+            metrics, _ = pipeline.evaluate(config, result["model_dir"], str(work / "data"), step=steps)
+            result.update({"val/acc": metrics["val/acc"], "val/format_score": metrics["val/format_score"]})
+
+
+def report(results: dict[str, dict], steps: int) -> None:
+    print(f"\n{steps} steps of 16 prompts x 8 responses (ours with dynamic sampling: up to 3 rounds of 32 prompts), "
+          f"max response 32 tokens, 4 updates per step; {os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
+    print(f"validation accuracy at the start: {results['start']['val/acc']:.3f} (format score {results['start']['val/format_score']:.2f})")
+    header = f"{'run':<10} {'s/step':>7} {'gen tok/s':>10} {'peak RSS MiB':>13} {'val acc':>8} {'format':>7}"
+    print(header)
+    runs = [name for name in RUNS if name in results]
+    for name in runs:
+        r = results[name]
+        r["seconds_per_step"] = r["train_seconds"] / steps
+        r["tokens_per_s"] = r["generated_tokens"] / r["train_seconds"]
+        print(f"{name:<10} {r['seconds_per_step']:>7.2f} {r['tokens_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f} "
+              f"{r['val/acc']:>8.3f} {r['val/format_score']:>7.2f}")
+    if "trl" in results:
+        trl = results["trl"]
+        for name in (n for n in runs if n != "trl"):
+            r = results[name]
+            print(f"{name} / trl: wall per step x{r['seconds_per_step'] / trl['seconds_per_step']:.2f}, "
+                  f"tokens/s x{r['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS x{r['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
+                  f"val acc {r['val/acc']:.3f} vs {trl['val/acc']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {RUNS}")
+    parser.add_argument("--work", default="", help="working directory (a temporary one if empty)")
+    parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.work), args.steps)
+        return
+    names = args.runs.split(",")
+    unknown = set(names) - set(RUNS)
+    if unknown:
+        raise SystemExit(f"unknown run(s) {sorted(unknown)}; choose from {RUNS}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        prepare_start(work)
+        results = {name: launch(name, work, args.steps) for name in names}
+        validate(results, work, args.steps)
+    report(results, args.steps)
+    print(f"\nbenchmark wall time: {(time.perf_counter() - started) / 60:.1f} min")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

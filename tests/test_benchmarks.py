@@ -1,0 +1,60 @@
+"""The benchmarks' own logic (the runs themselves: benchmarks/*.py, see RESULTS.md)."""
+
+import time
+from types import SimpleNamespace
+
+from benchmarks.overhead import ExclusiveTimer
+from benchmarks.vs_trl import DapoReward, trl_arguments
+from dapo.config import DAPOConfig
+from dapo.rewards import score_response
+
+
+def test_exclusive_timer_counts_every_second_once():
+    timer = ExclusiveTimer()
+    with timer.span("Flyte", "outer"):
+        time.sleep(0.02)
+        with timer.span("compute", "inner"):
+            time.sleep(0.05)
+        with timer.span("MLflow", "setup-only", phase="setup"):
+            time.sleep(0.03)
+    outer, inner = timer.totals[("steps", "Flyte", "outer")], timer.totals[("steps", "compute", "inner")]
+    assert 0.05 <= inner < 0.08 and 0.02 <= outer < 0.045
+    assert timer.phase_total("setup") >= 0.03 and timer.phase == "steps"
+    assert set(timer.by_category("steps")) == {("Flyte", "outer"), ("compute", "inner")}
+
+
+def test_exclusive_timer_wraps_and_restores_phase_on_error():
+    timer = ExclusiveTimer()
+    owner = SimpleNamespace(fail=lambda: 1 / 0)
+    timer.wrap(owner, "fail", "compute", "fails", phase_of=lambda: "validation")
+    try:
+        owner.fail()
+    except ZeroDivisionError:
+        pass
+    assert ("validation", "compute", "fails") in timer.totals and timer.phase == "steps"
+
+
+def test_trl_reward_is_our_reward_with_the_decay_counted_in_policy_steps():
+    config = DAPOConfig.tiny_cpu()
+    reward = DapoReward(config, updates_per_step=4)
+    completions = [[{"role": "assistant", "content": "5 + 7 = 12\nAnswer: 12"}], [{"role": "assistant", "content": "The answer is 12."}]]
+    ids = [[1] * 8, [1] * config.max_response_length]
+    late = SimpleNamespace(global_step=4 * config.format_reward_decay_steps)
+    got = reward(prompts=["q", "q"], completions=completions, completion_ids=ids, ground_truth=["12", "12"], trainer_state=late)
+    want = [score_response(c[0]["content"], "12", len(i), max_len=config.max_response_length, buffer_len=config.overlong_buffer_len,
+                           overlong_factor=config.overlong_penalty_factor, format_weight=0.0)["reward"] for c, i in zip(completions, ids)]
+    assert got == want and got[0] > got[1]
+    early = reward(prompts=["q"], completions=completions[:1], completion_ids=ids[:1], ground_truth=["12"],
+                   trainer_state=SimpleNamespace(global_step=0))
+    assert early[0] > got[0]  # the format bonus at full weight in the first step
+    assert reward.generated_tokens == 8 + config.max_response_length + 8
+
+
+def test_trl_arguments_mirror_the_dapo_config():
+    config = DAPOConfig.tiny_cpu().replace(total_steps=30)
+    args = trl_arguments(config, "/tmp/out")
+    updates = config.train_prompt_bsz // config.ppo_mini_batch_size
+    assert args["max_steps"] == 30 * updates
+    assert args["per_device_train_batch_size"] * args["steps_per_generation"] == config.train_prompt_bsz * config.n_samples_per_prompt
+    assert (args["loss_type"], args["epsilon"], args["epsilon_high"], args["beta"]) == ("dapo", 0.2, 0.28, 0.0)
+    assert args["mask_truncated_completions"] and args["max_completion_length"] == config.max_response_length
