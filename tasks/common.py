@@ -11,6 +11,7 @@ from typing import Annotated
 
 from flytekit import Cache, Resources, current_context
 from flytekit.core.hash import HashMethod
+from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 
@@ -26,7 +27,7 @@ CACHE_VERSIONS = {
     "rollout": "1",
     "verify_rewards": "1",
     "filter_groups": "1",
-    "policy_step": "1",
+    "policy_step": "2",
     "evaluate": "1",
     "track": "1",
 }
@@ -41,6 +42,12 @@ GPU_ACCELERATOR = GPUAccelerator(os.environ["DAPO_GPU_ACCELERATOR"]) if os.envir
 configured with; set DAPO_GPU_ACCELERATOR (e.g. nvidia-h100) at registration time
 where nodes carry that label. Unset, GPU tasks land on any GPU node (pod template)."""
 
+
+
+DECKS = {"enable_deck": True, "deck_fields": (DeckField.TIMELINE,)}
+"""Our own decks and the timeline. flytekit's default deck fields also render the pip
+dependency list and every input (a whole rollout batch) as HTML: ~1 s a task, a
+third of a tiny local step (benchmarks/overhead.py)."""
 
 
 def on_gpu(cpu: str, mem: str) -> dict:

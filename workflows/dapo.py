@@ -66,8 +66,7 @@ def train_chunk(
                 .else_()
                 .then(keep_batch(batch=batch, sampling_state=sampling_state, done=done))
             )
-        policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state,
-                                      step=step, loop_state=loop_state)
+        policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state, step=step)
         loop_state = log_step(config_json=config_json, target_json=target_json, loop_state=loop_state, step=step + 1, step_metrics=metrics)
         if is_validation_step(step + 1, config.val_every, config.total_steps):
             eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=step + 1, loop_state=loop_state)
