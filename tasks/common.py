@@ -6,10 +6,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from flytekit import Cache, Resources, current_context
+from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
@@ -73,6 +74,23 @@ def _directory_hash(directory: FlyteDirectory) -> str:
 
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""
+
+
+def download_weights(policy: FlyteDirectory) -> str:
+    """The checkpoint's top-level files (weights, config, tokenizer) without trainer_state/.
+
+    What rollout and validation need: from a remote store this moves the weights alone,
+    not the optimizer state and DeepSpeed's copy of the weights, which are 7x the bf16
+    weights' bytes (benchmarks/weights_handoff.py). A local checkpoint is used in place.
+    """
+    source = policy.remote_source or policy.path
+    if not FlyteContextManager.current_context().file_access.is_remote(source):
+        return policy.download()
+    target = scratch_dir("weights")
+    for entry in FlyteDirectory.listdir(policy):
+        if not isinstance(entry, FlyteDirectory):
+            shutil.move(entry.download(), os.path.join(target, entry.remote_source.rstrip("/").rsplit("/", 1)[-1]))
+    return target
 
 
 def load_config(config_json: str) -> DAPOConfig:

@@ -9,7 +9,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from tasks.common import DECKS, Checkpoint, LoopState, cache, load_config, on_gpu
+from tasks.common import DECKS, Checkpoint, LoopState, cache, download_weights, load_config, on_gpu
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", list[dict])])
 
@@ -22,7 +22,7 @@ EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("s
 )
 def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, loop_state: str) -> EvalOutput:
     """avg@k accuracy at the validation sampling settings, with sample completions."""
-    metrics, samples = pipeline.evaluate(load_config(config_json), policy.download(), data.download(), step)
+    metrics, samples = pipeline.evaluate(load_config(config_json), download_weights(policy), data.download(), step)
     history = LoopState.from_json(loop_state).history + [{"step": step, **metrics}]
     Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
     Deck("Sample completions", report.html_table(samples))

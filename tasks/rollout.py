@@ -10,7 +10,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import Checkpoint, cache, load_config, on_gpu
+from tasks.common import Checkpoint, cache, download_weights, load_config, on_gpu
 
 RolloutOutput = typing.NamedTuple("RolloutOutput", [("responses", pa.Table), ("metrics", dict[str, float])])
 FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
@@ -31,7 +31,7 @@ def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: in
             bar.total = total
             bar.update(done - bar.n)
 
-        table, metrics = pipeline.rollout(config, policy.download(), data.download(), step, round_index, progress=progress)
+        table, metrics = pipeline.rollout(config, download_weights(policy), data.download(), step, round_index, progress=progress)
     return RolloutOutput(table, metrics)
 
 
