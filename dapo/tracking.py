@@ -72,6 +72,11 @@ def table_record(artifact_file: str, rows: list[dict]) -> dict:
     return {"kind": "table", "artifact_file": artifact_file, "rows": rows}
 
 
+def artifact_record(local_path: str | Path, artifact_path: str = "") -> dict:
+    """A local file (a plot, a report) to store with the run under artifact_path."""
+    return {"kind": "artifact", "local_path": str(local_path), "artifact_path": artifact_path}
+
+
 def register_record(model_name: str, checkpoint_uri: str, step: int, val_acc: float) -> dict:
     """checkpoint_uri: a local directory, or a remote URI that `materialize` turns into one."""
     return {"kind": "register", "model_name": model_name, "checkpoint_uri": checkpoint_uri, "step": int(step), "val_acc": float(val_acc)}
@@ -133,6 +138,8 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=metrics)
         elif kind == "table":
             self.client.log_table(self.run_id, data=_columns(record["rows"]), artifact_file=record["artifact_file"])
+        elif kind == "artifact":
+            self.client.log_artifact(self.run_id, record["local_path"], artifact_path=record["artifact_path"] or None)
         elif kind == "register":
             self.register(record)
         else:

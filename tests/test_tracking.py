@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo import tracking
-from dapo.tracking import RunTarget, deliver, metrics_record, params_record, register_record, table_record
+from dapo.tracking import RunTarget, artifact_record, deliver, metrics_record, params_record, register_record, table_record
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,8 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
     target = sqlite_target(tmp_path)
     records = [params_record({"clip_high": 0.28, "extra": {"a": 1}}), metrics_record(1, {"acc": 0.25}),
                table_record("samples/step_000001.json", [{"response": "Answer: 3", "acc": 1.0}])]
+    (tmp_path / "curves.png").write_bytes(b"png")
+    records.append(artifact_record(tmp_path / "curves.png", "plots"))
     records += [register_record("tiny-policy", tiny_checkpoint, step, acc) for step, acc in [(0, 0.2), (5, 0.5), (10, 0.4)]]
     assert deliver(target, records) == []
 
@@ -48,6 +50,7 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
     assert run.info.run_name == "exec-run-a"
     assert run.data.params["clip_high"] == "0.28"
     assert [m.value for m in client.get_metric_history(run.info.run_id, "acc")] == [0.25]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/curves.png"]
     assert client.get_model_version_by_alias("tiny-policy", "champion").tags["step"] == "5"
     assert client.get_model_version_by_alias("tiny-policy", "newest").tags["step"] == "10"
 
