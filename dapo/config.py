@@ -118,6 +118,19 @@ class DAPOConfig:
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism inside one rollout pod."""
+    rollout_shards: int = 1
+    """Rollout pods per generation round (a Flyte map task): each generates a contiguous
+    slice of the round's prompts with its own sampling seed, and its rewards are verified
+    in a pod of its own. The round's prompt set does not depend on this number."""
+    trainer_nnodes: int = 1
+    """Nodes of the policy step. With trainer_nnodes * trainer_nproc_per_node > 1 the step
+    is a torch-elastic task (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 node)."""
+    trainer_nproc_per_node: int = 1
+    """Training processes (one per GPU) on each node of the policy step."""
+    trainer_shared_dir: str = ""
+    """A directory every training node mounts (e.g. a ReadWriteMany volume) where a
+    multi-node policy step writes the checkpoint (each rank writes its optimizer shard);
+    required when trainer_nnodes > 1. "" = rank 0's task directory (one node)."""
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form tags logged with the run (not used by the algorithm)."""
@@ -184,8 +197,35 @@ class DAPOConfig:
         need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(
+            1 <= self.rollout_shards <= self.prompts_per_round,
+            "rollout_shards",
+            f"must lie in [1, prompts per round={self.prompts_per_round}] (every shard gets a prompt)",
+        )
+        need(self.trainer_nnodes >= 1, "trainer_nnodes", "must be >= 1")
+        need(self.trainer_nproc_per_node >= 1, "trainer_nproc_per_node", "must be >= 1")
+        need(
+            self.trainer_world_size == 1 or self.trainer_backend == "deepspeed",
+            "trainer_backend",
+            f"must be 'deepspeed' for {self.trainer_world_size} training processes (the torch backend runs one)",
+        )
+        need(
+            self.trainer_nnodes == 1 or bool(self.trainer_shared_dir),
+            "trainer_shared_dir",
+            f"must name a directory all {self.trainer_nnodes} training nodes mount (trainer_nnodes > 1)",
+        )
 
     # ---------------------------------------------------------------------------------
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts sampled per generation round (gen_prompt_bsz with dynamic sampling)."""
+        return self.gen_prompt_bsz if self.dynamic_sampling else self.train_prompt_bsz
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Training processes of a policy step."""
+        return self.trainer_nnodes * self.trainer_nproc_per_node
+
     @property
     def updates_per_step(self) -> int:
         """Optimiser updates per policy step (16 in the paper: 512 prompts / 32)."""
@@ -221,9 +261,11 @@ class DAPOConfig:
     def paper_32b(cls) -> "DAPOConfig":
         """Qwen2.5-32B on DAPO-Math-17k as in the paper and verl's recipe.
 
-        vLLM tensor parallel 4 and a ZeRO-3 policy step, as in the recipe (which runs
-        on 16 nodes x 8 GPUs; sharding rollout over pods and a multi-node policy step
-        are not wired into the loop yet). No format reward, to stay faithful.
+        Sized for the recipe's cluster, 16 nodes x 8 H100/H200 (80-141 GB): rollout as
+        32 vLLM pods of tensor parallel 4 (128 GPUs, 48 of the round's 1536 prompts each),
+        then the policy step as one ZeRO-3 DeepSpeed job over all 16 x 8 GPUs (a
+        PyTorchJob), its checkpoint on a volume every trainer node mounts. Rollout and
+        training take turns on the same GPUs, as in verl. No format reward, to stay faithful.
         """
         return cls(
             model_path="Qwen/Qwen2.5-32B",
@@ -233,6 +275,10 @@ class DAPOConfig:
             total_steps=1000,
             zero_stage=3,
             tensor_parallel_size=4,
+            rollout_shards=32,
+            trainer_nnodes=16,
+            trainer_nproc_per_node=8,
+            trainer_shared_dir="/mnt/dapo-shared",
         )
 
     @classmethod

@@ -37,11 +37,30 @@ def test_paper_preset_has_no_format_reward_and_tiny_is_small():
         ("clip_ratio_c", 0.5, "clip_ratio_c"),
         ("rollout_backend", "sglang", "rollout_backend"),
         ("top_p", 0.0, "top_p"),
+        ("rollout_shards", 0, "rollout_shards=0: must lie in \\[1, prompts per round=1536\\]"),
+        ("rollout_shards", 1537, "rollout_shards=1537"),
+        ("trainer_nnodes", 0, "trainer_nnodes=0: must be >= 1"),
+        ("trainer_nproc_per_node", 0, "trainer_nproc_per_node=0: must be >= 1"),
+        ("trainer_nnodes", 2, "trainer_shared_dir='': must name a directory all 2 training nodes mount"),
     ],
 )
 def test_invalid_values_are_named(field, value, message):
     with pytest.raises(ConfigError, match=message):
         DAPOConfig().replace(**{field: value})
+
+
+def test_scale_out_knobs():
+    paper = DAPOConfig.paper_32b()
+    assert (paper.rollout_shards, paper.trainer_nnodes, paper.trainer_nproc_per_node, paper.trainer_world_size) == (32, 16, 8, 128)
+    assert paper.rollout_shards * paper.tensor_parallel_size == paper.trainer_world_size  # rollout and training take turns on 128 GPUs
+    tiny = DAPOConfig.tiny_cpu()
+    assert (tiny.rollout_shards, tiny.trainer_world_size) == (1, 1)
+    with pytest.raises(ConfigError, match="trainer_backend='torch': must be 'deepspeed' for 2 training processes"):
+        tiny.replace(trainer_backend="torch", trainer_nproc_per_node=2)
+    # without dynamic sampling a round has train_prompt_bsz prompts
+    assert tiny.replace(dynamic_sampling=False).prompts_per_round == tiny.train_prompt_bsz
+    with pytest.raises(ConfigError, match="prompts per round=16"):
+        tiny.replace(dynamic_sampling=False, rollout_shards=17)
 
 
 def test_unknown_fields_and_presets_are_refused():
