@@ -112,36 +112,83 @@ def choose_prompts(records: list[PromptRecord], n: int, seed: int) -> list[Promp
     return [rng.choice(records) for _ in range(n)]
 
 
-def rollout(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round_index: int, progress=None) -> tuple[pa.Table, dict[str, float]]:
-    """Sample G responses for each of this round's prompts with the current policy."""
+def shard_bounds(n_items: int, shards: int, shard: int) -> tuple[int, int]:
+    """[start, end) of shard `shard` when n_items are cut into `shards` contiguous slices
+    whose sizes differ by at most one (the first n_items % shards slices are the longer)."""
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} is not in [0, {shards})")
+    size, extra = divmod(n_items, shards)
+    start = shard * size + min(shard, extra)
+    return start, start + size + (1 if shard < extra else 0)
+
+
+def round_prompts(config: DAPOConfig, records: list[PromptRecord], step: int, round_index: int) -> list[PromptRecord]:
+    """The prompts of one generation round: derived from (seed, step, round) only, so the
+    same for any number of rollout shards."""
+    return choose_prompts(records, config.prompts_per_round, derived_seed(config, "prompts", step, round_index))
+
+
+def rollout(
+    config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round_index: int, shard: int = 0, progress=None
+) -> tuple[pa.Table, dict[str, float]]:
+    """Sample G responses for each prompt of this round's slice `shard` (of config.rollout_shards).
+
+    The shard's sampling seed is derived from (seed, step, round, shard); group ids hold
+    the prompt's index in the whole round, so they are unique across shards.
+    """
     from transformers import AutoTokenizer
 
     from dapo.rollout import SamplingSettings
 
     records, _ = load_prompts(Path(data_dir) / TRAIN_FILE)
-    n_prompts = config.gen_prompt_bsz if config.dynamic_sampling else config.train_prompt_bsz
-    chosen = choose_prompts(records, n_prompts, derived_seed(config, "prompts", step, round_index))
+    chosen = round_prompts(config, records, step, round_index)
+    start, end = shard_bounds(len(chosen), config.rollout_shards, shard)
+    indices = list(range(start, end))
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    texts = [render_prompt(r, tokenizer) for r in chosen]
+    texts = [render_prompt(chosen[i], tokenizer) for i in indices]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    keep = [i for i, n in enumerate(lengths) if n <= config.max_prompt_length]
-    if len(keep) < len(chosen):
-        logger.warning("step %d round %d: %d prompt(s) longer than max_prompt_length=%d skipped",
-                       step, round_index, len(chosen) - len(keep), config.max_prompt_length)
-    chosen, texts = [chosen[i] for i in keep], [texts[i] for i in keep]
+    keep = [k for k, n in enumerate(lengths) if n <= config.max_prompt_length]
+    if len(keep) < len(indices):
+        logger.warning("step %d round %d shard %d: %d prompt(s) longer than max_prompt_length=%d skipped",
+                       step, round_index, shard, len(indices) - len(keep), config.max_prompt_length)
+    indices, texts = [indices[k] for k in keep], [texts[k] for k in keep]
 
     engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
         n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
-        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index),
+        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index, shard),
     )
     started = time.perf_counter()
     completions = engine.generate(texts, sampling, progress=progress)
     seconds = time.perf_counter() - started
     crash_point("rollout", step)
-    table = completion_table(completions, chosen, texts, group_prefix=f"s{step}-r{round_index}")
+    table = completion_table(completions, [chosen[i] for i in indices], texts, group_prefix=f"s{step}-r{round_index}", prompt_indices=indices)
     tokens = sum(len(c.token_ids) for c in completions)
     return table, {"rollout/seconds": seconds, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+ROLLOUT_METRICS_KEY = b"dapo.rollout_metrics"
+"""Schema-metadata key under which a rollout shard's table carries its metrics (JSON)."""
+
+
+def with_rollout_metrics(table: pa.Table, metrics: dict[str, float]) -> pa.Table:
+    """The table carrying its rollout metrics in its schema metadata (a map task has one output)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), ROLLOUT_METRICS_KEY: json.dumps(metrics).encode()})
+
+
+def rollout_metrics_of(table: pa.Table) -> dict[str, float]:
+    """The metrics with_rollout_metrics stored ({} when there are none)."""
+    return json.loads((table.schema.metadata or {}).get(ROLLOUT_METRICS_KEY, b"{}"))
+
+
+def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
+    """One round's shard tables as one table, and the round's rollout metrics: tokens
+    summed, seconds the slowest shard's (shards run in parallel on a cluster)."""
+    metrics = [rollout_metrics_of(t) for t in tables]
+    tokens = sum(m.get("rollout/tokens", 0.0) for m in metrics)
+    seconds = max((m.get("rollout/seconds", 0.0) for m in metrics), default=0.0)
+    merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+    return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
 # --- rewards and dynamic sampling ----------------------------------------------------
@@ -245,9 +292,11 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
 
     A batch short of train_prompt_bsz groups is trained on, or skipped when
     on_short_batch="skip"; an empty one is always skipped. A skipped step writes the
-    unchanged policy (optimizer state included) so the run goes on.
+    unchanged policy (optimizer state included) so the run goes on. Under a launcher
+    with several ranks every rank calls this with the same out_dir: all take part in the
+    update and in saving (collectives), and the metrics are the same on every rank.
     """
-    from dapo.trainer import make_trainer, policy_update
+    from dapo.trainer import launcher_rank, make_trainer, policy_update
 
     group_ids = batch.column("group_id").to_pylist()
     groups = len(set(group_ids))
@@ -267,7 +316,8 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
         logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
                        step, groups, state.rounds, config.train_prompt_bsz, config.on_short_batch)
         crash_point("policy_step", step)  # the kill tests reach this task on either path
-        copy_checkpoint(policy_dir, out_dir, step)
+        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
+            copy_checkpoint(policy_dir, out_dir, step)
         metrics["step/skipped"] = 1.0
         return metrics
     if short:
@@ -348,11 +398,17 @@ def policy_engine(config: DAPOConfig, policy_dir: str):
     )
 
 
-def completion_table(completions, records: list[PromptRecord], texts: list[str], group_prefix: str) -> pa.Table:
-    """Completions as ROLLOUT_SCHEMA rows; a group is one prompt of one round."""
+def completion_table(
+    completions, records: list[PromptRecord], texts: list[str], group_prefix: str, prompt_indices: list[int] | None = None
+) -> pa.Table:
+    """Completions as ROLLOUT_SCHEMA rows; a group is one prompt of one round.
+
+    prompt_indices: each prompt's index in the whole round (default: its index here).
+    """
+    indices = prompt_indices or list(range(len(records)))
     rows = [
         {
-            "group_id": f"{group_prefix}-p{c.prompt_index}-{records[c.prompt_index].uid}",
+            "group_id": f"{group_prefix}-p{indices[c.prompt_index]}-{records[c.prompt_index].uid}",
             "prompt_uid": records[c.prompt_index].uid,
             "sample_index": c.sample_index,
             "prompt": texts[c.prompt_index],

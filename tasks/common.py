@@ -25,9 +25,9 @@ CACHE_VERSIONS = {
     "resolve_config": "1",
     "prepare_data": "1",
     "bootstrap_policy": "1",
-    "rollout": "1",
-    "verify_rewards": "1",
-    "filter_groups": "1",
+    "rollout": "2",
+    "verify_rewards": "2",
+    "filter_groups": "2",
     "policy_step": "2",
     "evaluate": "1",
     "track": "1",
@@ -51,10 +51,10 @@ dependency list and every input (a whole rollout batch) as HTML: ~1 s a task, a
 third of a tiny local step (benchmarks/overhead.py)."""
 
 
-def on_gpu(cpu: str, mem: str) -> dict:
-    """Task settings of a one-GPU pod on the dapo-gpu pod template."""
+def on_gpu(cpu: str, mem: str, gpus: int = 1) -> dict:
+    """Task settings of a pod with `gpus` GPUs on the dapo-gpu pod template."""
     return {
-        "requests": Resources(cpu=cpu, mem=mem, gpu="1"),
+        "requests": Resources(cpu=cpu, mem=mem, gpu=str(gpus)),
         "accelerator": GPU_ACCELERATOR,
         "pod_template_name": GPU_POD_TEMPLATE_NAME,
     }
@@ -97,12 +97,13 @@ def load_config(config_json: str) -> DAPOConfig:
     return DAPOConfig.from_dict(json.loads(config_json))
 
 
-def scratch_dir(name: str) -> str:
-    """A fresh directory in the task's sandbox for outputs."""
-    path = current_context().working_directory
+def scratch_dir(name: str, root: str = "") -> str:
+    """A fresh directory for outputs under root (default: the task's sandbox)."""
     import tempfile
 
-    return tempfile.mkdtemp(prefix=f"{name}-", dir=path)
+    if root:
+        os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=root or current_context().working_directory)
 
 
 @dataclass

@@ -12,7 +12,6 @@ from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from tasks.common import Checkpoint, cache, download_weights, load_config, on_gpu
 
-RolloutOutput = typing.NamedTuple("RolloutOutput", [("responses", pa.Table), ("metrics", dict[str, float])])
 FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
 
 
@@ -21,18 +20,20 @@ FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampl
     container_image=ROLLOUT_IMAGE,
     **on_gpu(cpu="8", mem="64Gi"),
 )
-def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int) -> RolloutOutput:
-    """G sampled responses per prompt of this round, with the sampler's token log-probs."""
+def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
+    """G sampled responses per prompt of this round's slice `shard`, with the sampler's token
+    log-probs; the shard's rollout metrics ride in the table's schema metadata (map tasks
+    take one output)."""
     from tqdm import tqdm
 
     config = load_config(config_json)
-    with tqdm(desc=f"rollout step {step} round {round_index}", unit="sample", leave=False) as bar:
+    with tqdm(desc=f"rollout step {step} round {round_index} shard {shard}", unit="sample", leave=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        table, metrics = pipeline.rollout(config, download_weights(policy), data.download(), step, round_index, progress=progress)
-    return RolloutOutput(table, metrics)
+        table, metrics = pipeline.rollout(config, download_weights(policy), data.download(), step, round_index, shard, progress=progress)
+    return pipeline.with_rollout_metrics(table, metrics)
 
 
 @task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
@@ -42,12 +43,11 @@ def verify_rewards(config_json: str, responses: pa.Table, step: int) -> pa.Table
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
-def filter_groups(
-    config_json: str, scored: pa.Table, rollout_metrics: dict[str, float], kept: typing.Optional[pa.Table], sampling_state: str
-) -> FilteredBatch:
-    """Dynamic sampling: keep groups whose rewards differ; done when full or out of rounds."""
+def filter_groups(config_json: str, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> FilteredBatch:
+    """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
     state = pipeline.SamplingState.from_json(sampling_state)
-    batch, state = pipeline.filter_groups(load_config(config_json), scored, kept, state, rollout_metrics)
+    round_table, rollout_metrics = pipeline.merge_shards(scored)
+    batch, state = pipeline.filter_groups(load_config(config_json), round_table, kept, state, rollout_metrics)
     return FilteredBatch(batch, state.to_json(), state.done)
 
 

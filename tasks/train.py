@@ -1,4 +1,5 @@
-"""The policy update (DeepSpeed on GPUs; one process here)."""
+"""The policy update: DeepSpeed in one process per pod, or torch elastic over several
+processes and nodes (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 node)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,89 @@ import typing
 
 import pyarrow as pa
 from flytekit import Deck, task
+from flytekit.core.base_task import PythonTask, TaskResolverMixin
+from flytekit.core.tracker import TrackedInstance
 from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch import Elastic
 
 from dapo import pipeline, report
+from dapo.config import DAPOConfig
+from dapo.trainer import rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, load_config, on_gpu, scratch_dir
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
 
 
-@task(
-    cache=cache("policy_step"),
-    container_image=TRAINER_IMAGE,
-    **on_gpu(cpu="16", mem="128Gi"),
-    **DECKS,
-)
+def trainer_pod(gpus: int) -> dict:
+    """Task settings of a trainer pod: 16 CPUs and 128 GiB per GPU (one process per GPU)."""
+    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **on_gpu(cpu=str(16 * gpus), mem=f"{128 * gpus}Gi", gpus=gpus), **DECKS}
+
+
+@task(**trainer_pod(gpus=1))
 def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
-    """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint."""
+    """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint.
+
+    Under torch elastic every rank runs this body: the checkpoint directory is made by
+    rank 0 (under config.trainer_shared_dir when set) and shared with all ranks, which
+    all take part in the update and in saving; flytekit returns rank 0's outputs.
+    """
     started = time.perf_counter()
-    out_dir = scratch_dir(f"policy-{step + 1}")
+    config = load_config(config_json)
+    out_dir = rank0_value(lambda: scratch_dir(f"policy-{step + 1}", root=config.trainer_shared_dir))
     state = pipeline.SamplingState.from_json(sampling_state)
-    metrics = pipeline.policy_step(load_config(config_json), policy.download(), batch, state, step, out_dir)
+    metrics = pipeline.policy_step(config, policy.download(), batch, state, step, out_dir)
     metrics["policy_step/seconds"] = time.perf_counter() - started
     Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
     return StepOutput(FlyteDirectory(out_dir), metrics)
+
+
+def policy_step_elastic(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+    """policy_step's body, as the function of the Elastic tasks that elastic_policy_step makes."""
+    return policy_step.task_function(config_json, policy, batch, sampling_state, step)
+
+
+class ElasticPolicyStepResolver(TrackedInstance, TaskResolverMixin):
+    """Finds an elastic policy step again in its pod, from its shape.
+
+    The elastic tasks are made at run time from the run's config (in train_chunk), so
+    flytekit's default resolver, which imports a task by its module attribute, cannot
+    load them; this one rebuilds the task from (nnodes, nproc_per_node).
+    """
+
+    def name(self) -> str:
+        return "ElasticPolicyStepResolver"
+
+    def load_task(self, loader_args: list[str]) -> PythonTask:
+        _, nnodes, _, nproc_per_node = loader_args
+        return elastic_policy_step(int(nnodes), int(nproc_per_node))
+
+    def loader_args(self, settings, task: PythonTask) -> list[str]:
+        return ["nnodes", str(task.task_config.nnodes), "nproc-per-node", str(task.task_config.nproc_per_node)]
+
+    def get_all_tasks(self) -> list[PythonTask]:
+        raise NotImplementedError
+
+
+elastic_resolver = ElasticPolicyStepResolver()
+
+
+def elastic_policy_step(nnodes: int, nproc_per_node: int) -> PythonTask:
+    """The policy step as a torch-elastic task: nproc_per_node processes (GPUs) on each of
+    nnodes pods; a plain pod for one node, a PyTorchJob (training-operator) for more.
+
+    increase_shared_mem=False: the dapo-gpu pod template already mounts /dev/shm.
+    """
+    return task(
+        policy_step_elastic,
+        task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False),
+        task_resolver=elastic_resolver,
+        **trainer_pod(gpus=nproc_per_node),
+    )
+
+
+def policy_step_for(config: DAPOConfig) -> PythonTask:
+    """policy_step for one training process, else the elastic step of the config's shape."""
+    if config.trainer_world_size == 1:
+        return policy_step
+    return elastic_policy_step(config.trainer_nnodes, config.trainer_nproc_per_node)

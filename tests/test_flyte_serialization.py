@@ -8,6 +8,7 @@ from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.tools.translator import get_serializable
 
 import workflows.dapo as dapo_workflow
+from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from tasks import common, data, evaluate, rollout, tracking, train
 
@@ -60,7 +61,7 @@ def test_every_cached_task_has_its_explicit_version(name):
 
 def test_rollout_batches_are_structured_datasets_and_checkpoints_directories():
     interface = serialize(rollout.rollout).template.interface
-    assert interface.outputs["responses"].type.structured_dataset_type is not None
+    assert interface.outputs["o0"].type.structured_dataset_type is not None  # one output: map tasks take no more
     assert interface.inputs["policy"].type.blob is not None  # FlyteDirectory -> multipart blob
     step = serialize(train.policy_step).template.interface
     assert step.inputs["batch"].type.structured_dataset_type is not None
@@ -76,6 +77,58 @@ def test_dapo_loop_registers_with_defaults_for_the_embedded_run():
     defaults = launch_plan.spec.default_inputs.parameters
     assert defaults["preset"].default.scalar.primitive.string_value == "tiny_cpu"
     assert defaults["train_data"].default.scalar.primitive.string_value == ""  # "" = the embedded task
+
+
+def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images():
+    """rollout and verify_rewards are ArrayNodes over the shard list (of any length,
+    rollout_shards at run time), their sub-tasks keep image, GPU, pod template and cache."""
+    entities = OrderedDict()
+    spec = get_serializable(entities, SETTINGS, dapo_workflow.sample_round)
+    mapped = [n.array_node.node.task_node.reference_id.name for n in spec.template.nodes if n.array_node is not None]
+    assert [name.split(".")[-1].split("_")[1] for name in mapped] == ["rollout", "verify"]
+    assert spec.template.nodes[-1].task_node.reference_id.name == "tasks.rollout.filter_groups"
+    templates = {k.name: v.template for k, v in entities.items() if hasattr(k, "name") and k.name in mapped}
+    rollout_map, rewards_map = (templates[name] for name in mapped)
+    assert rollout_map.interface.inputs["shard"].type.collection_type is not None  # mapped over
+    assert rollout_map.interface.inputs["step"].type.simple is not None  # bound (functools.partial)
+    assert requests_of(rollout_map)["gpu"] == "1" and rollout_map.metadata.pod_template_name == "dapo-gpu"
+    assert rollout_map.container.image.startswith(ROLLOUT_IMAGE.image_name().split(":")[0])
+    assert rollout_map.metadata.discovery_version == common.CACHE_VERSIONS["rollout"]
+    assert "gpu" not in requests_of(rewards_map)
+    assert rewards_map.container.image.startswith(CPU_IMAGE.image_name().split(":")[0])
+
+
+def test_policy_step_is_one_pod_for_one_process():
+    assert train.policy_step_for(DAPOConfig.tiny_cpu()) is train.policy_step
+    assert serialize(train.policy_step).template.custom is None
+
+
+@pytest.mark.parametrize("nnodes, nproc", [(16, 8), (2, 1)])
+def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
+    config = DAPOConfig.paper_32b().replace(trainer_nnodes=nnodes, trainer_nproc_per_node=nproc)
+    template = serialize(train.policy_step_for(config)).template
+    assert template.type == "pytorch"  # the PyTorchJob plugin (training-operator)
+    assert template.custom["workerReplicas"]["replicas"] == nnodes
+    assert template.custom["elasticConfig"] == {
+        "rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": nnodes, "nprocPerNode": nproc,
+    }
+    assert requests_of(template)["gpu"] == str(nproc) and template.metadata.pod_template_name == "dapo-gpu"
+    assert template.container.image.startswith(TRAINER_IMAGE.image_name().split(":")[0])
+    assert template.metadata.discovery_version == common.CACHE_VERSIONS["policy_step"]
+    assert template.k8s_pod is None  # no second /dev/shm: the pod template has one
+    # the pod finds the task again from its shape (the tasks are made at run time)
+    args = template.container.args
+    loader = args[args.index("--resolver") + 1 :]
+    assert loader == ["tasks.train.elastic_resolver", "--", "nnodes", str(nnodes), "nproc-per-node", str(nproc)]
+    rebuilt = train.elastic_resolver.load_task(loader[2:])
+    assert (rebuilt.task_config.nnodes, rebuilt.task_config.nproc_per_node) == (nnodes, nproc)
+
+
+def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
+    config = DAPOConfig.tiny_cpu().replace(trainer_nproc_per_node=4)
+    template = serialize(train.policy_step_for(config)).template
+    assert template.type == "python-task" and not template.custom  # torch elastic launch inside the pod
+    assert requests_of(template)["gpu"] == "4"
 
 
 def test_validation_schedule():

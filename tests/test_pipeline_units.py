@@ -6,7 +6,21 @@ import pytest
 from dapo import checkpoint
 from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
-from dapo.pipeline import SamplingState, TooManyBadSteps, batch_metrics, count_bad_steps, filter_groups, policy_step, verify_rewards
+from dapo.data import PromptRecord
+from dapo.pipeline import (
+    SamplingState,
+    TooManyBadSteps,
+    batch_metrics,
+    count_bad_steps,
+    filter_groups,
+    merge_shards,
+    policy_step,
+    rollout_metrics_of,
+    round_prompts,
+    shard_bounds,
+    verify_rewards,
+    with_rollout_metrics,
+)
 
 
 def rollout_table(groups: dict[str, list[str]], truth: str = "12", lengths: list[int] | None = None) -> pa.Table:
@@ -122,3 +136,36 @@ def test_run_stops_after_max_bad_steps_in_a_row():
         count = 0
         for step in (4, 5, 6):
             count = count_bad_steps(count, bad, max_bad_steps=3, step=step)
+
+
+# --- rollout shards --------------------------------------------------------------------
+@pytest.mark.parametrize("n_items, shards", [(32, 1), (32, 2), (32, 5), (7, 7), (8, 3)])
+def test_shard_slices_cover_the_round_exactly_once_in_order(n_items, shards):
+    bounds = [shard_bounds(n_items, shards, k) for k in range(shards)]
+    covered = [i for start, end in bounds for i in range(start, end)]
+    assert covered == list(range(n_items))  # disjoint, complete, contiguous
+    sizes = [end - start for start, end in bounds]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    with pytest.raises(ValueError, match="shard 3 is not in"):
+        shard_bounds(n_items, 3, 3)
+
+
+def test_two_shards_take_the_same_prompts_as_one_disjointly():
+    records = [PromptRecord(uid=str(i), messages=(("user", f"{i} + 1"),), ground_truth=str(i + 1)) for i in range(50)]
+    one, two = config(gen_prompt_bsz=9), config(gen_prompt_bsz=9, rollout_shards=2)
+    whole = round_prompts(one, records, step=3, round_index=1)
+    assert round_prompts(two, records, step=3, round_index=1) == whole
+    halves = [set(range(*shard_bounds(len(whole), 2, k))) for k in range(2)]
+    assert halves[0].isdisjoint(halves[1]) and halves[0] | halves[1] == set(range(9))
+    assert round_prompts(one, records, step=3, round_index=2) != whole  # another round, other prompts
+
+
+def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
+    a = with_rollout_metrics(rollout_table({"s0-r0-p0-x": ["a", "b"]}), {"rollout/tokens": 10.0, "rollout/seconds": 2.0})
+    b = with_rollout_metrics(rollout_table({"s0-r0-p1-y": ["c", "d"]}), {"rollout/tokens": 30.0, "rollout/seconds": 4.0})
+    scored = [verify_rewards(config(), t, step=0) for t in (a, b)]  # metadata survives scoring
+    merged, metrics = merge_shards(scored)
+    assert merged.column("group_id").to_pylist() == ["s0-r0-p0-x"] * 2 + ["s0-r0-p1-y"] * 2
+    assert merged.schema == SCORED_SCHEMA and not merged.schema.metadata
+    assert metrics == {"rollout/tokens": 40.0, "rollout/seconds": 4.0, "rollout/tokens_per_s": 10.0}
+    assert rollout_metrics_of(rollout_table({"g": ["a", "b"]})) == {}

@@ -6,6 +6,13 @@
                             conditional sample_rounds (taken only while the batch is
                             short), policy_step, log_step, and every val_every steps
                             evaluate + register_model
+    sample_round          = rollout and verify_rewards as map tasks (ArrayNodes) over
+                            rollout_shards shards, then filter_groups over all shards
+
+Scale-out knobs (DAPOConfig): rollout_shards = rollout pods per round (each a slice of
+the round's prompts; with tensor_parallel_size GPUs each on a cluster);
+trainer_nnodes x trainer_nproc_per_node > 1 = the policy step as a torch-elastic task
+(one pod running nproc processes for one node, a PyTorchJob for more; see tasks/train.py).
 
 Why this shape: the step loop has a fixed length, so it is unrolled, in chunks, so
 that no dynamic workflow holds more than a few hundred nodes (the workflow CRD lives
@@ -20,10 +27,11 @@ On a cluster: pyflyte run --remote workflows/dapo.py dapo_loop --preset paper_32
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import pyarrow as pa
-from flytekit import conditional, dynamic, workflow
+from flytekit import conditional, dynamic, map_task, workflow
 from flytekit.types.directory import FlyteDirectory
 
 from tasks.common import Checkpoint, load_config
@@ -31,19 +39,23 @@ from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
 from tasks.rollout import FilteredBatch, filter_groups, keep_batch, rollout, verify_rewards
 from tasks.tracking import finish_tracking, log_step, register_model, start_tracking
-from tasks.train import policy_step
+from tasks.train import policy_step_for
 
 DEFAULT_STEPS_PER_CHUNK = 10
 
 
 @workflow
 def sample_round(
-    config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, kept: typing.Optional[pa.Table], sampling_state: str
+    config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
+    kept: typing.Optional[pa.Table], sampling_state: str,
 ) -> FilteredBatch:
-    """One generation round: rollout -> verify_rewards -> filter_groups."""
-    responses, metrics = rollout(config_json=config_json, policy=policy, data=data, step=step, round_index=round_index)
-    scored = verify_rewards(config_json=config_json, responses=responses, step=step)
-    return filter_groups(config_json=config_json, scored=scored, rollout_metrics=metrics, kept=kept, sampling_state=sampling_state)
+    """One generation round: rollout and verify_rewards mapped over the shards (ArrayNodes:
+    one rollout pod and one reward pod per shard), then filter_groups on all shards."""
+    responses = map_task(functools.partial(rollout, config_json=config_json, policy=policy, data=data, step=step, round_index=round_index))(
+        shard=shards
+    )
+    scored = map_task(functools.partial(verify_rewards, config_json=config_json, step=step))(responses=responses)
+    return filter_groups(config_json=config_json, scored=scored, kept=kept, sampling_state=sampling_state)
 
 
 @dynamic
@@ -51,18 +63,21 @@ def train_chunk(
     config_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
     first_step: int, last_step: int, model_name: str,
 ) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str)]):
-    """Steps [first_step, last_step) unrolled."""
+    """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
+    config's trainer shape (tasks.train.policy_step_for)."""
     config = load_config(config_json)
+    shards = list(range(config.rollout_shards))
+    policy_step = policy_step_for(config)
     for step in range(first_step, last_step):
         batch, sampling_state, done = sample_round(
-            config_json=config_json, policy=policy, data=data, step=step, round_index=0, kept=None, sampling_state=""
+            config_json=config_json, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
         )
         for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
             batch, sampling_state, done = (
                 conditional(f"step_{step}_round_{round_index}")
                 .if_(done.is_false())
                 .then(sample_round(config_json=config_json, policy=policy, data=data, step=step, round_index=round_index,
-                                   kept=batch, sampling_state=sampling_state))
+                                   shards=shards, kept=batch, sampling_state=sampling_state))
                 .else_()
                 .then(keep_batch(batch=batch, sampling_state=sampling_state, done=done))
             )

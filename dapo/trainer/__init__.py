@@ -43,7 +43,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import torch
@@ -368,6 +368,29 @@ def make_trainer(config: DAPOConfig, model_dir: str | Path) -> PolicyTrainer:
     raise ValueError(f"unknown trainer_backend {config.trainer_backend!r}")
 
 
+def launcher_rank() -> int:
+    """This process's global rank as its launcher (torchrun, a PyTorchJob) set it; 0 when alone."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def rank0_value(make: Callable[[], Any]) -> Any:
+    """make() run on rank 0 only and its result returned on every rank (alone: just make()).
+
+    Where the launcher started several processes this initialises the process group
+    first (DeepSpeed's, which the trainer reuses), e.g. to agree on one output path.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return make()
+    import torch.distributed as dist
+
+    from dapo.trainer.deepspeed_backend import init_distributed
+
+    init_distributed()
+    holder = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 # --- the DAPO step ------------------------------------------------------------------
 @dataclass
 class StepData:
@@ -561,10 +584,12 @@ __all__ = [
     "PolicyTrainer",
     "StepData",
     "TrainerState",
+    "launcher_rank",
     "lr_at",
     "make_trainer",
     "minibatch_backward",
     "policy_update",
     "prepare_step",
+    "rank0_value",
     "trim_batch",
 ]
