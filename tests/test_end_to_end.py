@@ -64,3 +64,19 @@ def test_evaluate_reports_avg_at_k(run_dirs):
     assert 0.0 <= metrics["val/acc"] <= 1.0
     assert len(samples) == min(8, config.val_max_prompts)
     assert all(set(s) >= {"problem", "ground_truth", "response", "acc"} for s in samples)
+
+
+def test_rollout_shards_split_the_round_without_overlap(run_dirs):
+    """Two shards generate for the same prompts as one shard, each for its own half."""
+    config, root = run_dirs
+    policy0, data = str(root / "policy-0"), str(root / "data")
+    whole, _ = rollout(config, policy0, data, step=1, round_index=0)
+    two = config.replace(rollout_shards=2)
+    halves = [rollout(two, policy0, data, step=1, round_index=0, shard=k)[0] for k in range(2)]
+
+    def groups(table):
+        return set(table.column("group_id").to_pylist())
+
+    assert groups(halves[0]).isdisjoint(groups(halves[1]))
+    assert groups(halves[0]) | groups(halves[1]) == groups(whole)
+    assert [t.num_rows for t in halves] == [whole.num_rows // 2] * 2
