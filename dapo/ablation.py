@@ -10,6 +10,7 @@ the paper has none.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -29,6 +30,11 @@ VARIANTS: tuple[tuple[str, dict], ...] = (
     ("+ token-level loss", {"loss_agg_mode": "token-mean"}),
     ("+ dynamic sampling (DAPO)", {"dynamic_sampling": True}),
 )
+
+
+def variant_key(index: int) -> str:
+    """Row `index` as an MLflow-safe metric prefix, e.g. "5_dynamic_sampling_dapo"."""
+    return f"{index}_" + re.sub(r"[^a-z0-9]+", "_", VARIANTS[index][0].lower()).strip("_")
 
 
 def variant_overrides(index: int) -> dict:
@@ -66,6 +72,7 @@ def summarize(histories: list[list[dict]], seeds: list[int]) -> list[dict]:
         informative = [v for v in (mean_of(h, "sampling/informative_groups") for h in runs) if v is not None]
         rows.append({
             "variant": VARIANTS[variant][0],
+            "key": variant_key(variant),
             "val_acc_mean": statistics.fmean(finals) if finals else float("nan"),
             "val_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "val_acc_start": statistics.fmean(v for v in (h[0].get("val/acc") for h in runs) if v is not None) if runs and "val/acc" in runs[0][0] else float("nan"),

@@ -1,6 +1,7 @@
 """The ablation's variants and report (the runs themselves: workflows/ablation.py)."""
 
 import math
+import re
 
 from dapo import ablation
 from dapo.config import DAPOConfig
@@ -32,5 +33,8 @@ def test_summary_means_and_spreads_over_seeds(tmp_path):
     assert math.isclose(rows[2]["val_acc_mean"], 0.21) and math.isclose(rows[2]["val_acc_std"], 0.0141421356, rel_tol=1e-6)
     assert rows[0]["val_acc_start"] == 0.05 and rows[0]["final_entropy"] == 0.2 and rows[0]["informative_groups_per_step"] == 4.0
     assert "| + dynamic sampling (DAPO) |" in ablation.markdown_table(rows)
+    # MLflow metric names: alphanumerics, _ - . space : / only
+    assert [r["key"] for r in rows][-1] == "5_dynamic_sampling_dapo"
+    assert all(re.fullmatch(r"[\w\-. :/]+", r["key"]) for r in rows)
     ablation.plot_curves(histories, seeds, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 1000

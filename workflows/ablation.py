@@ -58,7 +58,8 @@ def ablation_report(states: list[str], seeds: list[int], mlflow_tracking_uri: st
     target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), "dapo-ablation", f"report-{seeds}", "ablation-report")
     records = [tracking.table_record("ablation_table.json", rows), tracking.artifact_record(plot),
                tracking.artifact_record(RESULTS_DIR / "ablation_histories.json")]
-    records += [tracking.metrics_record(0, {f"{r['variant']}/val_acc_mean": r["val_acc_mean"]}) for r in rows]
+    records += [tracking.metrics_record(0, {f"{r['key']}/val_acc_mean": r["val_acc_mean"], f"{r['key']}/val_acc_std": r["val_acc_std"]})
+                for r in rows]
     for record in tracking.deliver(target, records):
         tracking.spill([record], RESULTS_DIR / "undelivered-tracking.jsonl")
     return table, FlyteFile(str(plot))
