@@ -389,7 +389,16 @@ def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_sa
 
 def policy_engine(config: DAPOConfig, policy_dir: str):
     """The process's rollout engine, holding policy_dir's weights."""
+    import torch
+
     from dapo.rollout import cached_rollout_engine
+
+    gpus = torch.cuda.device_count()
+    if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size:
+        raise RuntimeError(
+            f"tensor_parallel_size={config.tensor_parallel_size} but this process sees {gpus} GPU(s): "
+            f"register the workflow with DAPO_ROLLOUT_GPUS={config.tensor_parallel_size} (tasks/common.py)"
+        )
 
     return cached_rollout_engine(
         config.rollout_backend, policy_dir, dtype=config.dtype,

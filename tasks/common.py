@@ -51,6 +51,17 @@ dependency list and every input (a whole rollout batch) as HTML: ~1 s a task, a
 third of a tiny local step (benchmarks/overhead.py)."""
 
 
+ROLLOUT_GPUS = int(os.environ.get("DAPO_ROLLOUT_GPUS", "1"))
+"""GPUs of each rollout and validation pod: the vLLM tensor_parallel_size the workflow is
+registered for (paper_32b: 4). Set DAPO_ROLLOUT_GPUS at registration time; a run whose
+tensor_parallel_size needs more GPUs than its pod has fails in the rollout with that message."""
+
+
+def rollout_pod() -> dict:
+    """Task settings of a rollout or validation pod: 8 CPUs and 64 GiB per GPU."""
+    return on_gpu(cpu=str(8 * ROLLOUT_GPUS), mem=f"{64 * ROLLOUT_GPUS}Gi", gpus=ROLLOUT_GPUS)
+
+
 def on_gpu(cpu: str, mem: str, gpus: int = 1) -> dict:
     """Task settings of a pod with `gpus` GPUs on the dapo-gpu pod template."""
     return {

@@ -10,7 +10,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import Checkpoint, cache, download_weights, load_config, on_gpu
+from tasks.common import Checkpoint, cache, download_weights, load_config, rollout_pod
 
 FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
 
@@ -18,7 +18,7 @@ FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampl
 @task(
     cache=cache("rollout"),
     container_image=ROLLOUT_IMAGE,
-    **on_gpu(cpu="8", mem="64Gi"),
+    **rollout_pod(),
 )
 def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
     """G sampled responses per prompt of this round's slice `shard`, with the sampler's token

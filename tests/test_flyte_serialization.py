@@ -134,3 +134,22 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
 def test_validation_schedule():
     steps = [s for s in range(1, 13) if dapo_workflow.is_validation_step(s, 5, 12)]
     assert steps == [5, 10, 12]
+
+
+def test_rollout_pods_request_the_gpus_of_the_registration_tensor_parallel_size():
+    """DAPO_ROLLOUT_GPUS is read at import (registration) time: checked in a fresh interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import json\n"
+        "from tests.test_flyte_serialization import requests_of, serialize\n"
+        "from tasks import evaluate, rollout\n"
+        "print(json.dumps([requests_of(serialize(t).template) for t in (rollout.rollout, evaluate.evaluate)]))\n"
+    )
+    env = {**os.environ, "DAPO_ROLLOUT_GPUS": "4"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
+    requests = json.loads(out.strip().splitlines()[-1])
+    assert [(r["gpu"], r["cpu"], r["memory"]) for r in requests] == [("4", "32", "256Gi")] * 2

@@ -14,6 +14,7 @@ from dapo.pipeline import (
     count_bad_steps,
     filter_groups,
     merge_shards,
+    policy_engine,
     policy_step,
     rollout_metrics_of,
     round_prompts,
@@ -169,3 +170,11 @@ def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
     assert merged.schema == SCORED_SCHEMA and not merged.schema.metadata
     assert metrics == {"rollout/tokens": 40.0, "rollout/seconds": 4.0, "rollout/tokens_per_s": 10.0}
     assert rollout_metrics_of(rollout_table({"g": ["a", "b"]})) == {}
+
+
+def test_tensor_parallelism_beyond_the_pods_gpus_names_the_registration_setting(tmp_path):
+    import torch
+
+    cfg = config(tensor_parallel_size=torch.cuda.device_count() + 2)
+    with pytest.raises(RuntimeError, match="DAPO_ROLLOUT_GPUS"):
+        policy_engine(cfg, str(tmp_path))
