@@ -16,6 +16,15 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
 
 
+def chosen(option: str, allowed, what: str) -> list[str]:
+    """A comma-separated option's names, each checked against allowed."""
+    names = option.split(",")
+    unknown = set(names) - set(allowed)
+    if unknown:
+        raise SystemExit(f"unknown {what} {sorted(unknown)}; choose from {list(allowed)}")
+    return names
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

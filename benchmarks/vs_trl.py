@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, child_env, peak_rss_mib, prepare_start, run_dapo_loop
+from benchmarks.common import REPO, child_env, chosen, peak_rss_mib, prepare_start, run_dapo_loop
 RUNS = ("ours", "ours-nods", "trl")
 
 
@@ -235,10 +235,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, Path(args.work), args.steps)
         return
-    names = args.runs.split(",")
-    unknown = set(names) - set(RUNS)
-    if unknown:
-        raise SystemExit(f"unknown run(s) {sorted(unknown)}; choose from {RUNS}")
+    names = chosen(args.runs, RUNS, "run(s)")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         work = Path(args.work or tmp)

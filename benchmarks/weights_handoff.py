@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import chosen
 from benchmarks.train_step import scored_batch
 
 SIZES = {  # name: (hidden, layers, intermediate, heads)
@@ -119,10 +120,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,25m,150m", help=f"comma-separated subset of {list(SIZES)}")
     parser.add_argument("--bandwidth-gbps", type=float, default=25.0, help="object store -> pod bandwidth assumed for the estimate")
     args = parser.parse_args()
-    names = args.sizes.split(",")
-    unknown = set(names) - set(SIZES)
-    if unknown:
-        raise SystemExit(f"unknown size(s) {sorted(unknown)}; choose from {list(SIZES)}")
+    names = chosen(args.sizes, SIZES, "size(s)")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="handoff-") as tmp:
         rows = []
