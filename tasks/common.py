@@ -38,6 +38,10 @@ GPU_POD_TEMPLATE_NAME = "dapo-gpu"
 memory-backed /dev/shm (so GPU tasks do not also set shared_memory=True: a second
 /dev/shm volume would be rejected)."""
 
+SHARED_GPU_POD_TEMPLATE_NAME = "dapo-gpu-shared"
+"""k8s/21-trainer-shared-volume.yaml: dapo-gpu plus the ReadWriteMany volume at
+/mnt/dapo-shared (paper_32b's trainer_shared_dir) that a multi-node policy step needs."""
+
 GPU_ACCELERATOR = GPUAccelerator(os.environ["DAPO_GPU_ACCELERATOR"]) if os.environ.get("DAPO_GPU_ACCELERATOR") else None
 """Flyte turns an accelerator into a node selector on the label its propagator is
 configured with; set DAPO_GPU_ACCELERATOR (e.g. nvidia-h100) at registration time
@@ -62,12 +66,12 @@ def rollout_pod() -> dict:
     return on_gpu(cpu=str(8 * ROLLOUT_GPUS), mem=f"{64 * ROLLOUT_GPUS}Gi", gpus=ROLLOUT_GPUS)
 
 
-def on_gpu(cpu: str, mem: str, gpus: int = 1) -> dict:
-    """Task settings of a pod with `gpus` GPUs on the dapo-gpu pod template."""
+def on_gpu(cpu: str, mem: str, gpus: int = 1, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
+    """Task settings of a pod with `gpus` GPUs on a GPU pod template (k8s/)."""
     return {
         "requests": Resources(cpu=cpu, mem=mem, gpu=str(gpus)),
         "accelerator": GPU_ACCELERATOR,
-        "pod_template_name": GPU_POD_TEMPLATE_NAME,
+        "pod_template_name": pod_template_name,
     }
 
 

@@ -17,14 +17,17 @@ from dapo import pipeline, report
 from dapo.config import DAPOConfig
 from dapo.trainer import rank0_value
 from images.specs import TRAINER_IMAGE
-from tasks.common import DECKS, Checkpoint, cache, load_config, on_gpu, scratch_dir
+from tasks.common import (
+    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, Checkpoint, cache, load_config, on_gpu, scratch_dir,
+)
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
 
 
-def trainer_pod(gpus: int) -> dict:
+def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
     """Task settings of a trainer pod: 16 CPUs and 128 GiB per GPU (one process per GPU)."""
-    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **on_gpu(cpu=str(16 * gpus), mem=f"{128 * gpus}Gi", gpus=gpus), **DECKS}
+    resources = on_gpu(cpu=str(16 * gpus), mem=f"{128 * gpus}Gi", gpus=gpus, pod_template_name=pod_template_name)
+    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **resources, **DECKS}
 
 
 @task(**trainer_pod(gpus=1))
@@ -79,13 +82,15 @@ def elastic_policy_step(nnodes: int, nproc_per_node: int) -> PythonTask:
     """The policy step as a torch-elastic task: nproc_per_node processes (GPUs) on each of
     nnodes pods; a plain pod for one node, a PyTorchJob (training-operator) for more.
 
-    increase_shared_mem=False: the dapo-gpu pod template already mounts /dev/shm.
+    increase_shared_mem=False: the GPU pod templates already mount /dev/shm. More than one
+    node runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir.
     """
+    template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 else GPU_POD_TEMPLATE_NAME
     return task(
         policy_step_elastic,
         task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False),
         task_resolver=elastic_resolver,
-        **trainer_pod(gpus=nproc_per_node),
+        **trainer_pod(gpus=nproc_per_node, pod_template_name=template),
     )
 
 

@@ -112,7 +112,9 @@ def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
     assert template.custom["elasticConfig"] == {
         "rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": nnodes, "nprocPerNode": nproc,
     }
-    assert requests_of(template)["gpu"] == str(nproc) and template.metadata.pod_template_name == "dapo-gpu"
+    # the template that mounts the ReadWriteMany volume at the preset's trainer_shared_dir
+    assert requests_of(template)["gpu"] == str(nproc) and template.metadata.pod_template_name == "dapo-gpu-shared"
+    assert config.trainer_shared_dir == "/mnt/dapo-shared"
     assert template.container.image.startswith(TRAINER_IMAGE.image_name().split(":")[0])
     assert template.metadata.discovery_version == common.CACHE_VERSIONS["policy_step"]
     assert template.k8s_pod is None  # no second /dev/shm: the pod template has one
@@ -128,7 +130,7 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
     config = DAPOConfig.tiny_cpu().replace(trainer_nproc_per_node=4)
     template = serialize(train.policy_step_for(config)).template
     assert template.type == "python-task" and not template.custom  # torch elastic launch inside the pod
-    assert requests_of(template)["gpu"] == "4"
+    assert requests_of(template)["gpu"] == "4" and template.metadata.pod_template_name == "dapo-gpu"
 
 
 def test_validation_schedule():

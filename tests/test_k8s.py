@@ -416,6 +416,18 @@ def test_workload_namespace_has_quota_and_limit_range():
 GPU_TEMPLATES = [d for _, d in DOCS if d["kind"] == "PodTemplate" and "gpu" in d["metadata"]["name"]]
 
 
+def test_shared_gpu_template_mounts_the_rwx_claim_at_the_trainer_shared_dir():
+    from dapo.config import DAPOConfig
+
+    template = next(t for t in GPU_TEMPLATES if t["metadata"]["name"] == "dapo-gpu-shared")
+    claims = [d for _, d in DOCS if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "dapo-shared"]
+    assert claims and claims[0]["spec"]["accessModes"] == ["ReadWriteMany"]
+    spec = template["template"]["spec"]
+    volume = next(v["name"] for v in spec["volumes"] if (v.get("persistentVolumeClaim") or {}).get("claimName") == "dapo-shared")
+    mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts[DAPOConfig.paper_32b().trainer_shared_dir] == volume
+
+
 def test_gpu_templates_exist_in_workload_namespace():
     assert GPU_TEMPLATES, "no GPU PodTemplate"
     for t in GPU_TEMPLATES:
