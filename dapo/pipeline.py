@@ -136,15 +136,14 @@ def rollout(
     The shard's sampling seed is derived from (seed, step, round, shard); group ids hold
     the prompt's index in the whole round, so they are unique across shards.
     """
-    from transformers import AutoTokenizer
-
     from dapo.rollout import SamplingSettings
 
     records, _ = load_prompts(Path(data_dir) / TRAIN_FILE)
     chosen = round_prompts(config, records, step, round_index)
     start, end = shard_bounds(len(chosen), config.rollout_shards, shard)
     indices = list(range(start, end))
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    engine = policy_engine(config, policy_dir)
+    tokenizer = engine.tokenizer
     texts = [render_prompt(chosen[i], tokenizer) for i in indices]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     keep = [k for k, n in enumerate(lengths) if n <= config.max_prompt_length]
@@ -153,7 +152,6 @@ def rollout(
                        step, round_index, shard, len(indices) - len(keep), config.max_prompt_length)
     indices, texts = [indices[k] for k in keep], [texts[k] for k in keep]
 
-    engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
         n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
         temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index, shard),

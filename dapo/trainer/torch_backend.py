@@ -100,6 +100,6 @@ class TorchTrainer(PolicyTrainer):
     def _release(self) -> None:
         self.optimizer = None
         self.model = None
-        gc.collect()
-        if self._device.type == "cuda":
+        if self._device.type == "cuda":  # as in the DeepSpeed backend: only GPU memory needs it
+            gc.collect()
             torch.cuda.empty_cache()
