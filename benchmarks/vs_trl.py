@@ -19,12 +19,13 @@ Runs, each in its own process (so peak memory is its own), caching off:
   dynamic sampling (TRL has none). Generation with ``transformers`` (TRL's default;
   its vLLM modes need a GPU server or CUDA colocation).
 
-Per run: wall time per step (training only: evaluation is excluded on both sides),
-generated tokens/s, peak RSS of the process; then every final model is validated by
-the same function (``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems).
+Each run goes once per seed (the RL seed; the start is the same). Per run: wall time
+per step (training only: evaluation is excluded on both sides), generated tokens/s,
+peak RSS of the process; then every final model is validated by the same function
+(``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
 
     make bench-trl                                   # installs the bench extra, then runs
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--runs ours,ours-nods,trl]
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-nods,trl]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,19 +44,20 @@ from benchmarks.common import REPO, child_env, chosen, peak_rss_mib, prepare_sta
 RUNS = ("ours", "ours-nods", "trl")
 
 
-def base_config(steps: int):
-    """The tiny_cpu preset with this benchmark's step count; validation only at the end."""
+def base_config(steps: int, seed: int = 0):
+    """The tiny_cpu preset with this benchmark's step count and seed; validation only at the end."""
     from dapo.config import DAPOConfig
 
-    return DAPOConfig.tiny_cpu().replace(total_steps=steps, val_every=0)
+    return DAPOConfig.tiny_cpu().replace(total_steps=steps, val_every=0, seed=seed)
 
 
 # --- ours -------------------------------------------------------------------------
-def run_ours(work: Path, steps: int, dynamic_sampling: bool) -> dict:
+def run_ours(work: Path, steps: int, seed: int, dynamic_sampling: bool) -> dict:
     """dapo_loop, local flytekit execution, caching off; validation time is excluded."""
     name = "vs-trl-ours" if dynamic_sampling else "vs-trl-ours-nods"
+    overrides = {"val_every": 0, "dynamic_sampling": dynamic_sampling, "seed": seed}
     started = time.perf_counter()
-    model_dir, history, eval_seconds = run_dapo_loop(work, steps, {"val_every": 0, "dynamic_sampling": dynamic_sampling}, name)
+    model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, name)
     return {
         "train_seconds": time.perf_counter() - started - eval_seconds,
         "eval_seconds_excluded": eval_seconds,
@@ -135,7 +138,7 @@ def trl_arguments(config, output_dir: str) -> dict:
     )
 
 
-def run_trl(work: Path, steps: int) -> dict:
+def run_trl(work: Path, steps: int, seed: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -143,10 +146,10 @@ def run_trl(work: Path, steps: int) -> dict:
     from dapo import pipeline
     from dapo.data import load_prompts
 
-    config = base_config(steps)
+    config = base_config(steps, seed)
     records, _ = load_prompts(work / "data" / pipeline.TRAIN_FILE)
     dataset = Dataset.from_list([{"prompt": r.chat, "ground_truth": r.ground_truth} for r in records])
-    out_dir = work / "trl"
+    out_dir = work / f"trl-seed{seed}"
     reward = DapoReward(config, config.train_prompt_bsz // config.ppo_mini_batch_size)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(work / "policy-0")
@@ -168,72 +171,90 @@ def run_trl(work: Path, steps: int) -> dict:
 
 
 # --- driver -----------------------------------------------------------------------
-def worker(name: str, work: Path, steps: int) -> None:
-    result = run_trl(work, steps) if name == "trl" else run_ours(work, steps, dynamic_sampling=name == "ours")
+def worker(name: str, work: Path, steps: int, seed: int) -> None:
+    if name == "trl":
+        result = run_trl(work, steps, seed)
+    else:
+        result = run_ours(work, steps, seed, dynamic_sampling=name == "ours")
     result["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(name: str, work: Path, steps: int) -> dict:
-    command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--steps", str(steps)]
-    print(f"running {name} ({steps} steps) ...", flush=True)
+def launch(name: str, work: Path, steps: int, seed: int) -> dict:
+    command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--steps", str(steps), "--seeds", str(seed)]
+    print(f"running {name}, seed {seed} ({steps} steps) ...", flush=True)
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=REPO)
-    (work / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    log = work / f"{name}-seed{seed}.log"
+    log.write_text(proc.stdout + "\n" + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         print(proc.stderr[-4000:])
-        raise SystemExit(f"{name} failed (exit {proc.returncode}); full log: {work / f'{name}.log'}")
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); full log: {log}")
     result = json.loads(lines[-1][len("RESULT "):])
-    print(f"  {name}: {time.perf_counter() - started:.0f} s in all, {result['train_seconds'] / steps:.2f} s/step", flush=True)
+    result["seed"] = seed
+    print(f"  {time.perf_counter() - started:.0f} s in all, {result['train_seconds'] / steps:.2f} s/step", flush=True)
     return result
 
 
-def validate(results: dict[str, dict], work: Path, steps: int) -> None:
-    """Every final model (and the start) through the same validation function."""
+def validate(results: dict[str, list[dict]], work: Path, steps: int) -> dict:
+    """Every final model through the same validation function (the seed's validation
+    sampling); returns the starting policy's figures."""
     from dapo import pipeline
 
-    config = base_config(steps)
-    start, _ = pipeline.evaluate(config, str(work / "policy-0"), str(work / "data"), step=0)
-    results["start"] = {"val/acc": start["val/acc"], "val/format_score": start["val/format_score"]}
-    for name, result in results.items():
-        if name != "start":
-            metrics, _ = pipeline.evaluate(config, result["model_dir"], str(work / "data"), step=steps)
+    start, _ = pipeline.evaluate(base_config(steps), str(work / "policy-0"), str(work / "data"), step=0)
+    for runs in results.values():
+        for result in runs:
+            metrics, _ = pipeline.evaluate(base_config(steps, result["seed"]), result["model_dir"], str(work / "data"), step=steps)
             result.update({"val/acc": metrics["val/acc"], "val/format_score": metrics["val/format_score"]})
+    return start
 
 
-def report(results: dict[str, dict], steps: int) -> None:
+def summary(runs: list[dict], steps: int) -> dict:
+    """Means over seeds (peak RSS: the largest), and the spread of the validation accuracy."""
+    acc = [r["val/acc"] for r in runs]
+    return {
+        "seconds_per_step": statistics.fmean(r["train_seconds"] / steps for r in runs),
+        "tokens_per_s": statistics.fmean(r["generated_tokens"] / r["train_seconds"] for r in runs),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+        "val_acc": statistics.fmean(acc),
+        "val_acc_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+        "format_score": statistics.fmean(r["val/format_score"] for r in runs),
+    }
+
+
+def report(results: dict[str, list[dict]], start: dict, steps: int) -> dict[str, dict]:
+    seeds = len(next(iter(results.values())))
     print(f"\n{steps} steps of 16 prompts x 8 responses (ours with dynamic sampling: up to 3 rounds of 32 prompts), "
-          f"max response 32 tokens, 4 updates per step; {os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
-    print(f"validation accuracy at the start: {results['start']['val/acc']:.3f} (format score {results['start']['val/format_score']:.2f})")
-    header = f"{'run':<10} {'s/step':>7} {'gen tok/s':>10} {'peak RSS MiB':>13} {'val acc':>8} {'format':>7}"
-    print(header)
-    runs = [name for name in RUNS if name in results]
-    for name in runs:
-        r = results[name]
-        r["seconds_per_step"] = r["train_seconds"] / steps
-        r["tokens_per_s"] = r["generated_tokens"] / r["train_seconds"]
+          f"max response 32 tokens, 4 updates per step, {seeds} seed(s); {os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
+    print(f"validation accuracy at the start: {start['val/acc']:.3f} (format score {start['val/format_score']:.2f})")
+    print(f"{'run':<10} {'s/step':>7} {'gen tok/s':>10} {'peak RSS MiB':>13} {'val acc (mean ± std)':>21} {'format':>7}")
+    table = {name: summary(runs, steps) for name, runs in results.items()}
+    for name, r in table.items():
         print(f"{name:<10} {r['seconds_per_step']:>7.2f} {r['tokens_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f} "
-              f"{r['val/acc']:>8.3f} {r['val/format_score']:>7.2f}")
-    if "trl" in results:
-        trl = results["trl"]
-        for name in (n for n in runs if n != "trl"):
-            r = results[name]
+              f"{r['val_acc']:>13.3f} ± {r['val_acc_std']:.3f} {r['format_score']:>7.2f}")
+    if "trl" in table:
+        trl = table["trl"]
+        for name in (n for n in table if n != "trl"):
+            r = table[name]
             print(f"{name} / trl: wall per step x{r['seconds_per_step'] / trl['seconds_per_step']:.2f}, "
                   f"tokens/s x{r['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS x{r['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
-                  f"val acc {r['val/acc']:.3f} vs {trl['val/acc']:.3f}")
+                  f"val acc {r['val_acc']:.3f} vs {trl['val_acc']:.3f}")
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds (the start is the same)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {RUNS}")
     parser.add_argument("--work", default="", help="working directory (a temporary one if empty)")
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     if args.worker:
-        worker(args.worker, Path(args.work), args.steps)
+        worker(args.worker, Path(args.work), args.steps, seeds[0])
         return
     names = chosen(args.runs, RUNS, "run(s)")
     started = time.perf_counter()
@@ -241,12 +262,12 @@ def main() -> None:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         prepare_start(work)
-        results = {name: launch(name, work, args.steps) for name in names}
-        validate(results, work, args.steps)
-    report(results, args.steps)
+        results = {name: [launch(name, work, args.steps, seed) for seed in seeds] for name in names}
+        start = validate(results, work, args.steps)
+    table = report(results, start, args.steps)
     print(f"\nbenchmark wall time: {(time.perf_counter() - started) / 60:.1f} min")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps({"start": start, "runs": results, "summary": table}, indent=2))
 
 
 if __name__ == "__main__":
