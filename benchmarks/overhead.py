@@ -32,6 +32,7 @@ import argparse
 import collections
 import functools
 import os
+import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -88,7 +89,10 @@ class ExclusiveTimer:
 
 
 def short_name(task) -> str:
-    return task.name.rsplit(".", 1)[-1]
+    """A task's function name; a map task's as "map rollout" (flytekit names it map_<fn>_<hash>-arraynode)."""
+    name = task.name.rsplit(".", 1)[-1]
+    mapped = re.fullmatch(r"map_(\w+?)_[0-9a-f]{16,}-arraynode", name)
+    return f"map {mapped.group(1)}" if mapped else name
 
 
 def instrument(timer: ExclusiveTimer) -> None:

@@ -3,7 +3,7 @@
 import time
 from types import SimpleNamespace
 
-from benchmarks.overhead import ExclusiveTimer
+from benchmarks.overhead import ExclusiveTimer, short_name
 from benchmarks.vs_trl import DapoReward, trl_arguments
 from dapo.config import DAPOConfig
 from dapo.rewards import score_response
@@ -58,3 +58,9 @@ def test_trl_arguments_mirror_the_dapo_config():
     assert args["per_device_train_batch_size"] * args["steps_per_generation"] == config.train_prompt_bsz * config.n_samples_per_prompt
     assert (args["loss_type"], args["epsilon"], args["epsilon_high"], args["beta"]) == ("dapo", 0.2, 0.28, 0.0)
     assert args["mask_truncated_completions"] and args["max_completion_length"] == config.max_response_length
+
+
+def test_task_names_in_the_breakdown():
+    assert short_name(SimpleNamespace(name="tasks.rollout.verify_rewards")) == "verify_rewards"
+    mapped = SimpleNamespace(name="map_verify_rewards_e670a7700d4c838d941453f16b9fe818-arraynode")
+    assert short_name(mapped) == "map verify_rewards"
