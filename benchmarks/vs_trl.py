@@ -83,21 +83,16 @@ class DapoReward:
         self.generated_tokens = 0
 
     def __call__(self, prompts, completions, completion_ids, ground_truth, trainer_state=None, **_) -> list[float]:
-        from dapo.rewards import format_reward_weight, score_response
+        from dapo.pipeline import scoring_settings
+        from dapo.rewards import score_response
 
-        config = self.config
         step = (trainer_state.global_step if trainer_state is not None else 0) // self.updates_per_step
-        weight = format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight)
+        settings = scoring_settings(self.config, step)
         self.generated_tokens += sum(len(ids) for ids in completion_ids)
         rewards = []
         for completion, truth, ids in zip(completions, ground_truth, completion_ids):
             text = completion[-1]["content"] if isinstance(completion, list) else completion
-            score = score_response(
-                text, truth, len(ids), max_len=config.max_response_length, buffer_len=config.overlong_buffer_len,
-                overlong_factor=config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
-                format_weight=weight,
-            )
-            rewards.append(float(score["reward"]))
+            rewards.append(float(score_response(text, truth, len(ids), **settings)["reward"]))
         return rewards
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import chosen
 from benchmarks.train_step import scored_batch
+from dapo.trainer import STATE_DIR
 
 SIZES = {  # name: (hidden, layers, intermediate, heads)
     "tiny": (128, 4, 384, 4),
@@ -39,7 +40,6 @@ SIZES = {  # name: (hidden, layers, intermediate, heads)
     "150m": (1024, 12, 3072, 8),
     "450m": (1536, 16, 4608, 12),
 }
-STATE_DIR = "trainer_state"
 
 
 def tree_bytes(path: Path, only_state: bool | None = None) -> int:

@@ -190,20 +190,25 @@ def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
 
 
 # --- rewards and dynamic sampling ----------------------------------------------------
+def scoring_settings(config: DAPOConfig, step: int) -> dict[str, float]:
+    """score_response's keyword arguments at this step: L_max, L_cache, the overlong
+    factor (0 when the soft punishment is off) and the decayed format-reward weight."""
+    return {
+        "max_len": config.max_response_length,
+        "buffer_len": config.overlong_buffer_len,
+        "overlong_factor": config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
+        "format_weight": format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
+    }
+
+
 def verify_rewards(config: DAPOConfig, table: pa.Table, step: int) -> pa.Table:
     """Score every response: correctness (+1/-1), soft overlong penalty, soft format reward."""
-    weight = format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight)
+    settings = scoring_settings(config, step)
     scores = {f.name: [] for f in SCORED_SCHEMA if f.name not in ROLLOUT_SCHEMA.names}
     for text, truth, ids in zip(
         table.column("response_text").to_pylist(), table.column("ground_truth").to_pylist(), table.column("response_token_ids").to_pylist()
     ):
-        score = score_response(
-            text, truth, len(ids),
-            max_len=config.max_response_length,
-            buffer_len=config.overlong_buffer_len,
-            overlong_factor=config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
-            format_weight=weight,
-        )
+        score = score_response(text, truth, len(ids), **settings)
         for key in scores:
             scores[key].append(float(score[key]))
     for key, values in scores.items():
