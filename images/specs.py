@@ -12,16 +12,19 @@ this module never talks to docker or a registry: an ImageSpec is only built
 (``docker build`` + push) when ``pyflyte run --remote`` / ``pyflyte register``
 serializes a task that uses it, on a machine with a docker engine.
 
-Configuration (read at import time):
+Images carry dependencies only. The project's code reaches the pods by fast
+registration (``pyflyte run --remote --copy all ...``), so an image's tag hashes its
+packages, base, env and registry, never the source tree: editing the code rebuilds
+nothing, and the tag is the same on every checkout and inside the pods. That matters
+beyond rebuild time: a dynamic workflow (``train``, ``train_chunk``) serializes the
+tasks it emits inside its pod, and flytekit finds their images by each ImageSpec's id
+among the images registered with it; any difference between the registering
+machine's spec and the pod's (a source path, a registry) names an image never built.
 
 * ``DAPO_IMAGE_REGISTRY`` registry/namespace to push to and pull from
-  (default ``ghcr.io/dapo-flyte``). The cluster must be able to pull from it.
-* ``DAPO_IMAGE_COPY_SOURCE`` ``1`` (default) bakes the whole project
-  (``source_root`` = repository root, everything not excluded by ``.dockerignore``
-  / ``.gitignore``) into ``/root`` of each image, so the images also work without
-  fast registration (``pyflyte register --non-fast``, ``pyflyte package``). Set it to
-  ``0`` while iterating with fast registration: the image tag then no longer changes
-  with every source edit, so no image rebuild is triggered.
+  (default ``ghcr.io/dapo-flyte``), read when this module is imported. Each image
+  also carries it in its own environment, so the pods (where the dynamic workflows
+  rebuild these specs) compute the same specs, ids and names as the registration.
 
 Non-root: flytekit's default builder always finishes the image with
 ``USER flytekit`` (created with ``useradd``; uid 1001 on these Ubuntu 24.04 bases,
@@ -35,19 +38,13 @@ Versions, base images and the reasons for them live in ``images/pins.py``.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from flytekit import ImageSpec
-from flytekit.constants import CopyFileDetection
 
 from images import pins
 
 DEFAULT_REGISTRY = "ghcr.io/dapo-flyte"
 REGISTRY_ENV = "DAPO_IMAGE_REGISTRY"
-COPY_SOURCE_ENV = "DAPO_IMAGE_COPY_SOURCE"
-
-#: Repository root: what ``source_root`` ships into the images.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 ROLES = pins.ROLES
 
@@ -93,30 +90,22 @@ def _registry() -> str:
     return os.environ.get(REGISTRY_ENV, "").strip() or DEFAULT_REGISTRY
 
 
-def _copy_mode() -> CopyFileDetection:
-    value = os.environ.get(COPY_SOURCE_ENV, "1").strip().lower()
-    if value in ("0", "false", "no", "none"):
-        return CopyFileDetection.NO_COPY
-    return CopyFileDetection.ALL
-
-
 def make_spec(role: str, registry: str | None = None) -> ImageSpec:
     """Build a fresh ImageSpec for ``role`` (``rollout``, ``trainer`` or ``cpu``)."""
     if role not in ROLES:
         raise ValueError(f"unknown image role {role!r}; expected one of: {', '.join(ROLES)}")
     gpu = role in ("rollout", "trainer")
+    registry = registry or _registry()
     return ImageSpec(
         name=f"dapo-{role}",
-        registry=registry or _registry(),
+        registry=registry,
         base_image=pins.GPU_BASE_IMAGE if gpu else pins.CPU_BASE_IMAGE,
         python_version=pins.PYTHON_VERSION,
         packages=pins.requirements(role),
         apt_packages=list(pins.APT_PACKAGES[role]) or None,
         pip_extra_index_url=None if gpu else [pins.TORCH_CPU_INDEX],
-        env=dict(_GPU_ENV if gpu else _CPU_ENV),
+        env={**(_GPU_ENV if gpu else _CPU_ENV), REGISTRY_ENV: registry},
         commands=list(_GPU_CHECKS if gpu else _CPU_CHECKS),
-        source_root=str(PROJECT_ROOT),
-        source_copy_mode=_copy_mode(),
         platform="linux/amd64",
         builder_config={"uv_image": pins.UV_IMAGE},
     )
@@ -149,7 +138,6 @@ def image_for(role: str) -> ImageSpec:
 __all__ = [
     "CPU_IMAGE",
     "DEFAULT_REGISTRY",
-    "PROJECT_ROOT",
     "ROLES",
     "ROLLOUT_IMAGE",
     "TRAINER_IMAGE",

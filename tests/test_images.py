@@ -6,6 +6,7 @@ Dockerfile that flytekit's default builder would run is rendered and inspected.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from flytekit import ImageSpec
-from flytekit.constants import CopyFileDetection
 from packaging.requirements import Requirement
 
 from images import pins, specs
@@ -61,7 +61,6 @@ def test_import_needs_no_docker_engine():
     env = {
         **specs.os.environ,
         "DOCKER_HOST": "unix:///nonexistent/docker.sock",
-        "DAPO_IMAGE_COPY_SOURCE": "0",
         "PATH": str(Path(sys.executable).parent),
     }
     env.pop(specs.REGISTRY_ENV, None)
@@ -144,15 +143,38 @@ def test_cpu_image_is_light():
     assert "24.04" in CPU_IMAGE.base_image and all("ubuntu24.04" in s.base_image for s in GPU.values())
 
 
-def test_source_root_ships_the_project():
+def test_images_carry_dependencies_only():
+    """The code ships by fast registration: no source tree in an image, so no tag hashes it."""
     for role, spec in ALL.items():
-        assert Path(spec.source_root) == ROOT, role
-        assert spec.source_copy_mode == CopyFileDetection.ALL, role
+        assert spec.source_root is None and spec.source_copy_mode is None, role
 
 
-def test_copy_source_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(specs.COPY_SOURCE_ENV, "0")
-    assert make_spec("cpu").source_copy_mode == CopyFileDetection.NO_COPY
+def _spec_ids_in(cwd: Path, env: dict[str, str]) -> list[list[str]]:
+    code = (
+        "import json\n"
+        "from images.specs import image_for\n"
+        "print(json.dumps([[image_for(r).id, image_for(r).image_name()] for r in ('rollout', 'trainer', 'cpu')]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_image_ids_match_between_registration_and_pod(tmp_path):
+    """A dynamic workflow rebuilds the specs in its pod and looks each image up by spec id:
+    the pod (another directory, the image's environment, no DAPO_IMAGE_REGISTRY from the
+    registering shell) must compute the registered ids and names."""
+    import shutil
+
+    env = {k: v for k, v in specs.os.environ.items() if k != specs.REGISTRY_ENV}
+    registering = {**env, specs.REGISTRY_ENV: "registry.example.com:5000/team", "PYTHONPATH": str(ROOT)}
+    registered = _spec_ids_in(ROOT, registering)
+    assert all(name.startswith("registry.example.com:5000/team/") for _, name in registered)
+    # The pod: the code unpacked elsewhere (fast registration), the image's own env vars.
+    pod_root = tmp_path / "root"
+    shutil.copytree(ROOT / "images", pod_root / "images", ignore=shutil.ignore_patterns("__pycache__"))
+    (pod_root / "images" / "README.md").write_text("an edit that must not change any tag")
+    image_env = {**env, **CPU_IMAGE.env, **make_spec("cpu", registry="registry.example.com:5000/team").env, "PYTHONPATH": str(pod_root)}
+    assert _spec_ids_in(pod_root, image_env) == registered
 
 
 def test_registry_default_and_env_override(monkeypatch):
@@ -206,7 +228,6 @@ def test_rendered_imagespec_dockerfile(role, tmp_path, monkeypatch):
     """Render the Dockerfile flytekit's default builder would `docker build` (no docker needed)."""
     from flytekit.image_spec.default_builder import create_docker_context
 
-    monkeypatch.setenv(specs.COPY_SOURCE_ENV, "0")  # skip copying the tree: fast
     spec = make_spec(role)
     create_docker_context(spec, tmp_path)
     dockerfile = (tmp_path / "Dockerfile").read_text()
