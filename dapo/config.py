@@ -19,6 +19,7 @@ ROLLOUT_BACKENDS = ("vllm", "hf")
 TRAINER_BACKENDS = ("deepspeed", "torch")
 SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class ConfigError(ValueError):
@@ -131,6 +132,23 @@ class DAPOConfig:
     """A directory every training node mounts (e.g. a ReadWriteMany volume) where a
     multi-node policy step writes the checkpoint (each rank writes its optimizer shard);
     required when trainer_nnodes > 1. "" = rank 0's task directory (one node)."""
+    shared_checkpoints_kept: int = 2
+    """Step checkpoints kept in trainer_shared_dir (the newest ones): each is uploaded to
+    the object store as its task's output, so older copies on the volume only fill it
+    (at 32B one ZeRO checkpoint is ~0.5 TB)."""
+    gpu_accelerator: str = ""
+    """GPU type the GPU pods ask for (flytekit accelerator name, e.g. "nvidia-h100"),
+    which Flyte turns into a node selector; "" = any GPU node of the pod template."""
+    model_size_billions: float = 0.0
+    """Parameters of the policy in billions: sizes each pod's local disk (ephemeral
+    storage) for the weights and checkpoints it holds; 0 = the embedded tiny policy."""
+    task_retries: int = 0
+    """Retries of each cluster task after a system or user error (pods lost, OOM)."""
+    interruptible: bool = False
+    """Run cluster tasks on interruptible (spot) nodes."""
+    stage_timeout_minutes: int = 0
+    """Longest a cluster task may run before Flyte fails it (0 = no limit); also bounds
+    how long a multi-node policy step waits for its workers to be scheduled."""
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form tags logged with the run (not used by the algorithm)."""
@@ -209,6 +227,10 @@ class DAPOConfig:
             "trainer_backend",
             f"must be 'deepspeed' for {self.trainer_world_size} training processes (the torch backend runs one)",
         )
+        need(self.shared_checkpoints_kept >= 1, "shared_checkpoints_kept", "must be >= 1 (the step being written)")
+        need(self.model_size_billions >= 0, "model_size_billions", "must be >= 0 (0 = the embedded tiny policy)")
+        need(self.task_retries >= 0, "task_retries", "must be >= 0")
+        need(self.stage_timeout_minutes >= 0, "stage_timeout_minutes", "must be >= 0 (0 = no limit)")
         need(
             self.trainer_nnodes == 1 or bool(self.trainer_shared_dir),
             "trainer_shared_dir",
@@ -230,6 +252,18 @@ class DAPOConfig:
     def updates_per_step(self) -> int:
         """Optimiser updates per policy step (16 in the paper: 512 prompts / 32)."""
         return -(-self.train_prompt_bsz // self.ppo_mini_batch_size) * self.ppo_epochs
+
+    @property
+    def weights_bytes(self) -> float:
+        """Bytes of the policy's weights in the training dtype (what rollout pods download)."""
+        return self.model_size_billions * 1e9 * DTYPE_BYTES[self.dtype]
+
+    @property
+    def checkpoint_bytes(self) -> float:
+        """Bytes of a whole training checkpoint: the weights, Adam's fp32 master weights,
+        first and second moments (12 bytes a parameter), and the module weights again in
+        DeepSpeed's state (16 bytes a parameter in bf16; measured ratio in DESIGN.md)."""
+        return self.model_size_billions * 1e9 * (2 * DTYPE_BYTES[self.dtype] + 12)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,11 +300,14 @@ class DAPOConfig:
         then the policy step as one ZeRO-3 DeepSpeed job over all 16 x 8 GPUs (a
         PyTorchJob), its checkpoint on a volume every trainer node mounts. Rollout and
         training take turns on the same GPUs, as in verl. No format reward, to stay faithful.
+        The data has no default: pass DAPO-Math-17k and the validation set as URIs
+        (train_data_path / val_data_path, e.g. s3://bucket/dapo-math-17k.parquet).
+        A task may run 4 hours (a step of the verl recipe on 128 GPUs is ~31 min) and is
+        retried twice.
         """
         return cls(
             model_path="Qwen/Qwen2.5-32B",
-            train_data_path="dapo-math-17k.parquet",
-            val_data_path="aime-2024.parquet",
+            model_size_billions=32.8,
             clip_ratio_c=10.0,
             total_steps=1000,
             zero_stage=3,
@@ -279,6 +316,8 @@ class DAPOConfig:
             trainer_nnodes=16,
             trainer_nproc_per_node=8,
             trainer_shared_dir="/mnt/dapo-shared",
+            task_retries=2,
+            stage_timeout_minutes=240,
         )
 
     @classmethod

@@ -400,7 +400,8 @@ def policy_engine(config: DAPOConfig, policy_dir: str):
     if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size:
         raise RuntimeError(
             f"tensor_parallel_size={config.tensor_parallel_size} but this process sees {gpus} GPU(s): "
-            f"register the workflow with DAPO_ROLLOUT_GPUS={config.tensor_parallel_size} (tasks/common.py)"
+            "dapo_loop's rollout pods request tensor_parallel_size GPUs (tasks/common.rollout_settings): "
+            "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
 
     return cached_rollout_engine(

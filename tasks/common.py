@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
+import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -27,10 +28,10 @@ CACHE_VERSIONS = {
     "bootstrap_policy": "1",
     "rollout": "2",
     "verify_rewards": "2",
-    "filter_groups": "2",
+    "filter_groups": "3",
     "policy_step": "2",
     "evaluate": "1",
-    "track": "1",
+    "track": "2",
 }
 
 GPU_POD_TEMPLATE_NAME = "dapo-gpu"
@@ -42,37 +43,92 @@ SHARED_GPU_POD_TEMPLATE_NAME = "dapo-gpu-shared"
 """k8s/21-trainer-shared-volume.yaml: dapo-gpu plus the ReadWriteMany volume at
 /mnt/dapo-shared (paper_32b's trainer_shared_dir) that a multi-node policy step needs."""
 
-GPU_ACCELERATOR = GPUAccelerator(os.environ["DAPO_GPU_ACCELERATOR"]) if os.environ.get("DAPO_GPU_ACCELERATOR") else None
-"""Flyte turns an accelerator into a node selector on the label its propagator is
-configured with; set DAPO_GPU_ACCELERATOR (e.g. nvidia-h100) at registration time
-where nodes carry that label. Unset, GPU tasks land on any GPU node (pod template)."""
-
-
-
 DECKS = {"enable_deck": True, "deck_fields": (DeckField.TIMELINE,)}
 """Our own decks and the timeline. flytekit's default deck fields also render the pip
 dependency list and every input (a whole rollout batch) as HTML: ~1 s a task, a
 third of a tiny local step (benchmarks/overhead.py)."""
 
-
-ROLLOUT_GPUS = int(os.environ.get("DAPO_ROLLOUT_GPUS", "1"))
-"""GPUs of each rollout and validation pod: the vLLM tensor_parallel_size the workflow is
-registered for (paper_32b: 4). Set DAPO_ROLLOUT_GPUS at registration time; a run whose
-tensor_parallel_size needs more GPUs than its pod has fails in the rollout with that message."""
+DISK_MARGIN_GIB = 20
+"""Local disk beyond the weights and checkpoints a pod holds: logs, vLLM's compile
+and CUDA-graph caches, DeepSpeed's JIT builds, the fast-registration code."""
 
 
-def rollout_pod() -> dict:
-    """Task settings of a rollout or validation pod: 8 CPUs and 64 GiB per GPU."""
-    return on_gpu(cpu=str(8 * ROLLOUT_GPUS), mem=f"{64 * ROLLOUT_GPUS}Gi", gpus=ROLLOUT_GPUS)
+ROLLOUT_PER_GPU = {"cpu": 8, "mem_gib": 64}
+"""CPUs and memory a rollout or validation pod gets per GPU."""
+TRAINER_PER_GPU = {"cpu": 16, "mem_gib": 128}
+"""CPUs and memory a policy-step pod gets per GPU (one training process per GPU)."""
 
 
-def on_gpu(cpu: str, mem: str, gpus: int = 1, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
-    """Task settings of a pod with `gpus` GPUs on a GPU pod template (k8s/)."""
+def gpu_pod(gpus: int, per_gpu: dict, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
+    """Decorator settings of a GPU task: its pod template and the requests it is registered
+    with; the dynamic workflows override the requests from the run's config (node_settings)."""
     return {
-        "requests": Resources(cpu=cpu, mem=mem, gpu=str(gpus)),
-        "accelerator": GPU_ACCELERATOR,
+        "requests": Resources(cpu=str(per_gpu["cpu"] * gpus), mem=f"{per_gpu['mem_gib'] * gpus}Gi", gpu=str(gpus)),
         "pod_template_name": pod_template_name,
     }
+
+
+ROLLOUT_POD = gpu_pod(1, ROLLOUT_PER_GPU)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{DISK_MARGIN_GIB + math.ceil(n_bytes / 2**30)}Gi"
+
+
+def node_settings(config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: float = 0, gpus: int = 0) -> dict:
+    """`with_overrides` arguments that shape one pod from the run's config.
+
+    The dynamic workflows apply them to every node they emit, so GPU counts, the GPU
+    type, disk, retries and timeouts come from the config the run was started with,
+    never from the environment of the machine that registered the workflow (which
+    the pods never see). Limits equal requests: what a pod asks for is what it may use,
+    so a node's disk and memory are never overcommitted (an overcommitted pod is the
+    first evicted).
+    """
+    resources = Resources(cpu=str(cpu), mem=f"{mem_gib}Gi", gpu=str(gpus) if gpus else None, ephemeral_storage=_gib(disk_bytes))
+    settings: dict = {
+        "requests": resources,
+        "limits": resources,
+        "retries": config.task_retries,
+        "interruptible": config.interruptible,
+    }
+    if gpus and config.gpu_accelerator:
+        settings["accelerator"] = GPUAccelerator(config.gpu_accelerator)
+    if config.stage_timeout_minutes:
+        settings["timeout"] = datetime.timedelta(minutes=config.stage_timeout_minutes)
+    return settings
+
+
+def rollout_settings(config: DAPOConfig) -> dict:
+    """A rollout or validation pod: tensor_parallel_size GPUs, 8 CPUs and 64 GiB each,
+    disk for the weights (never the trainer state: download_weights)."""
+    gpus = config.tensor_parallel_size
+    return node_settings(config, cpu=ROLLOUT_PER_GPU["cpu"] * gpus, mem_gib=ROLLOUT_PER_GPU["mem_gib"] * gpus, gpus=gpus,
+                         disk_bytes=config.weights_bytes)
+
+
+def trainer_settings(config: DAPOConfig) -> dict:
+    """A policy-step pod (one per node): trainer_nproc_per_node GPUs, 16 CPUs and 128 GiB
+    each; disk for the input checkpoint, and the output unless it goes to trainer_shared_dir."""
+    gpus = config.trainer_nproc_per_node
+    copies = 1 if config.trainer_shared_dir else 2
+    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
+                         disk_bytes=copies * config.checkpoint_bytes)
+
+
+def bootstrap_settings(config: DAPOConfig) -> dict:
+    """bootstrap_policy: the model as downloaded, then as written (two copies of the weights)."""
+    return node_settings(config, cpu=4, mem_gib=16, disk_bytes=2 * config.weights_bytes)
+
+
+def registry_settings(config: DAPOConfig) -> dict:
+    """register_model: the weights of one checkpoint on their way to MLflow."""
+    return node_settings(config, cpu=1, mem_gib=4, disk_bytes=config.weights_bytes)
+
+
+def cpu_settings(config: DAPOConfig, cpu: int = 1, mem_gib: int = 4) -> dict:
+    """A CPU pod that holds batches and metrics only."""
+    return node_settings(config, cpu=cpu, mem_gib=mem_gib)
 
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,8 +139,20 @@ def cache(task_name: str) -> Cache:
 
 
 def _directory_hash(directory: FlyteDirectory) -> str:
-    # The COMPLETE marker already holds the content hash: no need to re-read the weights.
-    return checkpoint.recorded_hash(directory.path) or checkpoint.content_hash(directory.path)
+    """The checkpoint's content hash, from its COMPLETE marker where it has one (no need to
+    re-read the weights). A checkpoint passed on while still remote (never downloaded)
+    is keyed by the marker in the store, else by its URI: never by the empty local path."""
+    if os.path.isdir(directory.path) and os.listdir(directory.path):
+        return checkpoint.recorded_hash(directory.path) or checkpoint.content_hash(directory.path)
+    remote = directory.remote_source
+    if not remote:
+        raise ValueError(f"checkpoint {directory.path} is neither a local directory with files nor a remote one")
+    fs = FlyteContextManager.current_context().file_access.get_filesystem_for_path(remote)
+    try:
+        marker = json.loads(fs.cat_file(f"{remote.rstrip('/')}/{checkpoint.COMPLETE_FILE}"))
+        return marker["content_hash"]
+    except (OSError, ValueError, KeyError):
+        return "uri:" + remote
 
 
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
@@ -99,12 +167,14 @@ def download_weights(policy: FlyteDirectory) -> str:
     weights' bytes (benchmarks/weights_handoff.py). A local checkpoint is used in place.
     """
     source = policy.remote_source or policy.path
-    if not FlyteContextManager.current_context().file_access.is_remote(source):
+    file_access = FlyteContextManager.current_context().file_access
+    if not file_access.is_remote(source):
         return policy.download()
+    fs = file_access.get_filesystem_for_path(source)
+    files = [entry["name"] for entry in fs.ls(source, detail=True) if entry["type"] == "file"]
     target = scratch_dir("weights")
-    for entry in FlyteDirectory.listdir(policy):
-        if not isinstance(entry, FlyteDirectory):
-            shutil.move(entry.download(), os.path.join(target, entry.remote_source.rstrip("/").rsplit("/", 1)[-1]))
+    # One call for all files: fsspec's object-store filesystems fetch a list concurrently.
+    fs.get(files, [os.path.join(target, name.rstrip("/").rsplit("/", 1)[-1]) for name in files])
     return target
 
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import typing
 
-from flytekit import Resources, task
+from flytekit import FlyteContextManager, Resources, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
-from dapo.config import DAPOConfig
+from dapo.config import ConfigError, DAPOConfig
+from dapo.data import DataError
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, scratch_dir
 
 
 DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row")
+PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b",)
+"""Presets whose model is not meant for the embedded arithmetic task."""
 POLICY_FIELDS = ("model_path", "embedded_warm_start_steps")
 
 ResolvedConfig = typing.NamedTuple("ResolvedConfig", [("config_json", str), ("data_json", str), ("policy_json", str)])
@@ -46,10 +50,15 @@ def resolve_config(preset: str, overrides_json: str, total_steps: int, train_dat
     if val_data:
         overrides["val_data_path"] = val_data
     config = DAPOConfig.preset(preset, overrides)
+    if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
+        raise ConfigError(
+            f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
+            "(verl-format parquet files, as URIs the cluster can read, e.g. s3://bucket/dapo-math-17k.parquet)"
+        )
     return ResolvedConfig(config.to_json(), subset_json(config, DATA_FIELDS), subset_json(config, POLICY_FIELDS))
 
 
-@task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi"))
+@task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
 def prepare_data(data_json: str) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
     """Validated, de-duplicated train and validation parquet files.
 
@@ -57,8 +66,25 @@ def prepare_data(data_json: str) -> typing.NamedTuple("PreparedData", [("data", 
     else (an ablation, another clip range) share one copy of the data.
     """
     out_dir = scratch_dir("data")
-    stats = pipeline.prepare_data(config_from_subset(data_json), out_dir)
+    config = config_from_subset(data_json)
+    config = config.replace(train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
+    stats = pipeline.prepare_data(config, out_dir)
     return FlyteDirectory(out_dir), stats
+
+
+def local_copy(path: str, directory: bool = False) -> str:
+    """A local file (or directory) for a path or URI: s3://, gs://, abfs://... are fetched
+    with flytekit's data layer (the object-store settings and credentials of the cluster);
+    local paths, hub names and "" (the embedded default) are returned as they are."""
+    file_access = FlyteContextManager.current_context().file_access
+    if not path or not file_access.is_remote(path):
+        return path
+    target = os.path.join(scratch_dir("download"), os.path.basename(path.rstrip("/")) or "data.parquet")
+    try:
+        file_access.get_data(path, target, is_multipart=directory)
+    except Exception as error:
+        raise DataError(f"cannot read {path}: {error}") from error
+    return target
 
 
 @task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
@@ -76,5 +102,6 @@ def bootstrap_policy(policy_json: str) -> Checkpoint:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        pipeline.bootstrap_policy(config_from_subset(policy_json), out_dir, progress=progress)
+        config = config_from_subset(policy_json)
+        pipeline.bootstrap_policy(config.replace(model_path=local_copy(config.model_path, directory=True)), out_dir, progress=progress)
     return FlyteDirectory(out_dir)

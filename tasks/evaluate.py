@@ -9,7 +9,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from tasks.common import DECKS, Checkpoint, LoopState, cache, download_weights, load_config, rollout_pod
+from tasks.common import DECKS, Checkpoint, LoopState, cache, download_weights, load_config, ROLLOUT_POD
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", list[dict])])
 
@@ -17,7 +17,7 @@ EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("s
 @task(
     cache=cache("evaluate"),
     container_image=ROLLOUT_IMAGE,
-    **rollout_pod(),
+    **ROLLOUT_POD,
     **DECKS,
 )
 def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, loop_state: str) -> EvalOutput:

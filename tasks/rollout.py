@@ -6,19 +6,22 @@ import typing
 
 import pyarrow as pa
 from flytekit import Resources, task
+from flytekit.core.task import Echo
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import Checkpoint, cache, download_weights, load_config, rollout_pod
+from tasks.common import Checkpoint, cache, download_weights, load_config, ROLLOUT_POD
 
-FilteredBatch = typing.NamedTuple("FilteredBatch", [("batch", pa.Table), ("sampling_state", str), ("done", bool)])
+RoundResult = typing.Tuple[pa.Table, str, bool]
+"""(batch, sampling_state, done) after a round: unnamed outputs (o0, o1, o2), the names
+keep_batch's echo gives its outputs, so both branches of a round's conditional agree."""
 
 
 @task(
     cache=cache("rollout"),
     container_image=ROLLOUT_IMAGE,
-    **rollout_pod(),
+    **ROLLOUT_POD,
 )
 def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
     """G sampled responses per prompt of this round's slice `shard`, with the sampler's token
@@ -43,15 +46,15 @@ def verify_rewards(config_json: str, responses: pa.Table, step: int) -> pa.Table
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
-def filter_groups(config_json: str, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> FilteredBatch:
+def filter_groups(config_json: str, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
     state = pipeline.SamplingState.from_json(sampling_state)
     round_table, rollout_metrics = pipeline.merge_shards(scored)
     batch, state = pipeline.filter_groups(load_config(config_json), round_table, kept, state, rollout_metrics)
-    return FilteredBatch(batch, state.to_json(), state.done)
+    return batch, state.to_json(), state.done
 
 
-@task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
-def keep_batch(batch: pa.Table, sampling_state: str, done: bool) -> FilteredBatch:
-    """The branch taken once the batch is done: pass it on unchanged."""
-    return FilteredBatch(batch, sampling_state, done)
+keep_batch = Echo(name="keep_batch", inputs={"batch": pa.Table, "sampling_state": str, "done": bool})
+"""The branch taken once the batch is done: the batch passes on unchanged. An echo task runs
+in FlytePropeller (its `echo` plugin, enabled in k8s/flyte-binary-values.yaml): no pod, and
+the batch is not downloaded and uploaded again."""

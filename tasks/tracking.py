@@ -5,16 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import typing
 
-from flytekit import Resources, current_context, task
+from flytekit import FlyteContextManager, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report, tracking
 from images.specs import CPU_IMAGE
-from tasks.common import Checkpoint, LoopState, cache, load_config
+from tasks.common import Checkpoint, LoopState, cache, download_weights, load_config
 
 logger = logging.getLogger(__name__)
+
+UNDELIVERED_FILE = "undelivered-tracking.jsonl"
 
 
 def run_target(target_json: str) -> tracking.RunTarget:
@@ -22,7 +25,9 @@ def run_target(target_json: str) -> tracking.RunTarget:
 
 
 def _materialize(uri: str) -> str:
-    return FlyteDirectory(uri).download()
+    # A registered version holds what a user serves: the weights, config and tokenizer,
+    # not trainer_state/ (7x the bf16 weights' bytes).
+    return download_weights(FlyteDirectory(uri))
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
@@ -80,7 +85,10 @@ def finish_tracking(target_json: str, loop_state: str) -> str:
     state = LoopState.from_json(loop_state)
     state.pending = tracking.deliver(run_target(target_json), state.pending, materialize=_materialize)
     if state.pending:
-        path = current_context().working_directory + "/undelivered-tracking.jsonl"
-        tracking.spill(state.pending, path)
-        logger.warning("%d tracking record(s) could not be delivered; kept in this output and in %s", len(state.pending), path)
+        where = "this task's output (loop_state.pending)"
+        if FlyteContextManager.current_context().execution_state.is_local_execution():
+            # A local run's sandbox is temporary: also leave them beside the user's command.
+            tracking.spill(state.pending, UNDELIVERED_FILE)
+            where += f" and {os.path.abspath(UNDELIVERED_FILE)}"
+        logger.warning("%d tracking record(s) could not be delivered; kept in %s", len(state.pending), where)
     return state.to_json()

@@ -3,6 +3,8 @@ processes and nodes (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 no
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 import typing
 
@@ -15,19 +17,34 @@ from flytekitplugins.kfpytorch import Elastic
 
 from dapo import pipeline, report
 from dapo.config import DAPOConfig
-from dapo.trainer import rank0_value
+from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import (
-    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, Checkpoint, cache, load_config, on_gpu, scratch_dir,
+    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, gpu_pod, load_config,
+    scratch_dir,
 )
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
 
 
 def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
-    """Task settings of a trainer pod: 16 CPUs and 128 GiB per GPU (one process per GPU)."""
-    resources = on_gpu(cpu=str(16 * gpus), mem=f"{128 * gpus}Gi", gpus=gpus, pod_template_name=pod_template_name)
-    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **resources, **DECKS}
+    """Task settings of a trainer pod (one training process per GPU)."""
+    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
+
+
+def step_output_dir(config: DAPOConfig, config_json: str, step: int) -> str:
+    """Where the step writes its checkpoint: the task's sandbox, or with several nodes a
+    directory of this run under trainer_shared_dir (all ranks write their shards there).
+
+    Flyte uploads the directory as the task's output, so on the shared volume only the
+    newest config.shared_checkpoints_kept copies of this run are kept (registered
+    checkpoints live on in the object store as the outputs of their steps)."""
+    if not config.trainer_shared_dir:
+        return scratch_dir(f"policy-{step + 1}")
+    run_dir = os.path.join(config.trainer_shared_dir, "run-" + hashlib.sha256(config_json.encode()).hexdigest()[:12])
+    out_dir = scratch_dir(f"policy-{step + 1}", root=run_dir)
+    prune_step_dirs(run_dir, keep=config.shared_checkpoints_kept)
+    return out_dir
 
 
 @task(**trainer_pod(gpus=1))
@@ -40,9 +57,10 @@ def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_
     """
     started = time.perf_counter()
     config = load_config(config_json)
-    out_dir = rank0_value(lambda: scratch_dir(f"policy-{step + 1}", root=config.trainer_shared_dir))
+    out_dir = rank0_value(lambda: step_output_dir(config, config_json, step))
+    local_rank0_first(policy.download)  # one download per node, into the path every rank reads
     state = pipeline.SamplingState.from_json(sampling_state)
-    metrics = pipeline.policy_step(config, policy.download(), batch, state, step, out_dir)
+    metrics = pipeline.policy_step(config, policy.path, batch, state, step, out_dir)
     metrics["policy_step/seconds"] = time.perf_counter() - started
     Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
     return StepOutput(FlyteDirectory(out_dir), metrics)
@@ -86,12 +104,16 @@ def elastic_policy_step(nnodes: int, nproc_per_node: int) -> PythonTask:
     node runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir.
     """
     template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 else GPU_POD_TEMPLATE_NAME
-    return task(
+    elastic = task(
         policy_step_elastic,
         task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False),
-        task_resolver=elastic_resolver,
         **trainer_pod(gpus=nproc_per_node, pod_template_name=template),
     )
+    # Set after construction: a task made inside a dynamic workflow (train_chunk) takes the
+    # dynamic's resolver from the compilation state instead of the one passed to task(),
+    # and that one cannot load a task made at run time.
+    elastic.set_resolver(elastic_resolver)
+    return elastic
 
 
 def policy_step_for(config: DAPOConfig) -> PythonTask:

@@ -6,6 +6,7 @@ import pytest
 from flytekit import LaunchPlan
 from flytekit.configuration import Image, ImageConfig, SerializationSettings
 from flytekit.tools.translator import get_serializable
+from flytekit.types.directory import FlyteDirectory
 
 import workflows.dapo as dapo_workflow
 from dapo.config import DAPOConfig
@@ -70,8 +71,8 @@ def test_rollout_batches_are_structured_datasets_and_checkpoints_directories():
 def test_dapo_loop_registers_with_defaults_for_the_embedded_run():
     spec = serialize(dapo_workflow.dapo_loop)
     node_tasks = [n.task_node.reference_id.name for n in spec.template.nodes if n.task_node is not None]
-    assert node_tasks[:4] == ["tasks.data.resolve_config", "tasks.data.prepare_data", "tasks.data.bootstrap_policy", "tasks.tracking.start_tracking"]
-    assert "workflows.dapo.train" in node_tasks  # the dynamic step loop
+    assert node_tasks == ["tasks.data.resolve_config", "tasks.data.prepare_data", "tasks.tracking.start_tracking",
+                          "workflows.dapo.train", "tasks.tracking.finish_tracking"]  # train: the dynamic step loop
     assert set(spec.template.interface.inputs) >= {"preset", "overrides_json", "total_steps", "mlflow_tracking_uri", "train_data"}
     launch_plan = serialize(LaunchPlan.get_or_create(dapo_workflow.dapo_loop))
     defaults = launch_plan.spec.default_inputs.parameters
@@ -79,11 +80,70 @@ def test_dapo_loop_registers_with_defaults_for_the_embedded_run():
     assert defaults["train_data"].default.scalar.primitive.string_value == ""  # "" = the embedded task
 
 
+@pytest.mark.parametrize("dynamic", ["train", "train_chunk"])
+def test_dynamic_workflows_run_in_the_cpu_image(dynamic):
+    """Not flytekit's default image: theirs must import every task module (torch, pyarrow, kfpytorch)."""
+    template = serialize(getattr(dapo_workflow, dynamic)).template
+    assert template.container.image == CPU_IMAGE.image_name()
+    assert requests_of(template) == {"cpu": "1", "memory": "2Gi"}
+
+
+def compile_dynamic(dynamic, tmp_path, **inputs):
+    """What the dynamic's pod emits: its DynamicJobSpec, compiled as in a task execution."""
+    from flytekit.core.context_manager import ExecutionState, FlyteContextManager
+
+    checkpoint_dir = tmp_path / "policy"
+    checkpoint_dir.mkdir()
+    (checkpoint_dir / "config.json").write_text("{}")
+    ctx = FlyteContextManager.current_context()
+    state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(SETTINGS).with_execution_state(state)) as ctx:
+        return dynamic.compile_into_workflow(ctx, dynamic._task_function, data=FlyteDirectory(str(checkpoint_dir)),
+                                             policy=FlyteDirectory(str(checkpoint_dir)), **inputs)
+
+
+def node_requests(overrides) -> dict[str, str]:
+    return {requests_names.get(r.name, str(r.name)): r.value for r in overrides.resources.requests}
+
+
+requests_names = {1: "cpu", 2: "gpu", 3: "memory", 4: "storage", 5: "ephemeral_storage"}
+
+
+def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
+    """paper_32b's step as train_chunk's pod emits it: every image a registered one, GPUs
+    and GPU type from the config (not the registering shell), the elastic step keeps its
+    resolver, the full batch passes through an echo task (no pod), retries and timeouts."""
+    import datetime
+
+    config = DAPOConfig.paper_32b().replace(gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config_json=config.to_json(), target_json="{}", loop_state="",
+                           first_step=0, last_step=1, model_name="m")
+    registered = {image.image_name() for image in (CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE)}
+    tasks = {t.id.name: t for t in spec.tasks}
+    assert {t.container.image for t in tasks.values() if t.container} <= registered
+    elastic = next(t for name, t in tasks.items() if name.endswith("policy_step_elastic"))
+    args = elastic.container.args
+    assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "nnodes", "16", "nproc-per-node", "8"]
+    assert tasks["keep_batch"].type == "echo" and tasks["keep_batch"].container is None
+
+    (sample_round,) = spec.subworkflows
+    rollout_node = next(n for n in sample_round.nodes if "map_rollout" in n.metadata.name).array_node.node
+    rollout_requests = node_requests(rollout_node.task_node.overrides)
+    assert rollout_requests["gpu"] == "4" and rollout_requests["cpu"] == "32"  # tensor_parallel_size
+    assert rollout_node.task_node.overrides.extended_resources.gpu_accelerator.device == "nvidia-h100"
+    step_node = next(n for n in spec.nodes if n.metadata.name == "policy_step_elastic")
+    assert node_requests(step_node.task_node.overrides)["gpu"] == "8"
+    assert step_node.metadata.retries.retries == config.task_retries == 2
+    assert step_node.metadata.timeout == datetime.timedelta(minutes=config.stage_timeout_minutes)
+    branches = [n for n in spec.nodes if n.branch_node is not None]
+    assert len(branches) == config.max_num_gen_batches - 1
+
+
 def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images():
     """rollout and verify_rewards are ArrayNodes over the shard list (of any length,
     rollout_shards at run time), their sub-tasks keep image, GPU, pod template and cache."""
     entities = OrderedDict()
-    spec = get_serializable(entities, SETTINGS, dapo_workflow.sample_round)
+    spec = get_serializable(entities, SETTINGS, dapo_workflow.sample_round_workflow(DAPOConfig.tiny_cpu().to_json()))
     mapped = [n.array_node.node.task_node.reference_id.name for n in spec.template.nodes if n.array_node is not None]
     assert [name.split(".")[-1].split("_")[1] for name in mapped] == ["rollout", "verify"]
     assert spec.template.nodes[-1].task_node.reference_id.name == "tasks.rollout.filter_groups"
@@ -136,22 +196,3 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
 def test_validation_schedule():
     steps = [s for s in range(1, 13) if dapo_workflow.is_validation_step(s, 5, 12)]
     assert steps == [5, 10, 12]
-
-
-def test_rollout_pods_request_the_gpus_of_the_registration_tensor_parallel_size():
-    """DAPO_ROLLOUT_GPUS is read at import (registration) time: checked in a fresh interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    probe = (
-        "import json\n"
-        "from tests.test_flyte_serialization import requests_of, serialize\n"
-        "from tasks import evaluate, rollout\n"
-        "print(json.dumps([requests_of(serialize(t).template) for t in (rollout.rollout, evaluate.evaluate)]))\n"
-    )
-    env = {**os.environ, "DAPO_ROLLOUT_GPUS": "4"}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
-    requests = json.loads(out.strip().splitlines()[-1])
-    assert [(r["gpu"], r["cpu"], r["memory"]) for r in requests] == [("4", "32", "256Gi")] * 2

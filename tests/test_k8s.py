@@ -22,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dapo.config import DAPOConfig
 from images import pins
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,6 +410,68 @@ def test_workload_namespace_has_quota_and_limit_range():
     assert ranges
     container = [lim for r in ranges for lim in r["spec"]["limits"] if lim["type"] == "Container"]
     assert container and container[0]["default"].get("memory") and container[0]["defaultRequest"].get("cpu")
+
+
+def _quantity(value) -> float:
+    """A Kubernetes quantity (e.g. "2304", "500m", "18Ti", "64Gi") as a number."""
+    value = str(value)
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * factor
+    return float(value)
+
+
+def _stage_requests(settings: dict, pods: int) -> dict[str, float]:
+    requests = settings["requests"]
+    return {
+        "requests.cpu": pods * _quantity(requests.cpu), "requests.memory": pods * _quantity(requests.mem),
+        "limits.memory": pods * _quantity(settings["limits"].mem), "requests.nvidia.com/gpu": pods * _quantity(requests.gpu or 0),
+        "requests.ephemeral-storage": pods * _quantity(requests.ephemeral_storage),
+    }
+
+
+@pytest.mark.parametrize("stage", ["policy_step", "rollout_round"])
+def test_quota_admits_each_stage_of_paper_32b(stage):
+    """The biggest stages of the paper's run, as the workflow shapes their pods, fit the
+    namespace quota (with room for the dynamic workflows and small CPU pods)."""
+    from tasks.common import rollout_settings, trainer_settings
+
+    config = DAPOConfig.paper_32b()
+    needed = (_stage_requests(trainer_settings(config), config.trainer_nnodes) if stage == "policy_step"
+              else _stage_requests(rollout_settings(config), config.rollout_shards))
+    hard: dict = {}
+    for _, doc in DOCS:
+        if doc["kind"] == "ResourceQuota" and doc["metadata"]["namespace"] == WORKLOAD_NS:
+            hard.update(doc["spec"]["hard"])
+    for key, amount in needed.items():
+        assert amount <= _quantity(hard[key]), f"{stage} of paper_32b needs {key}={amount:.4g}, quota {hard[key]}"
+    assert needed["requests.nvidia.com/gpu"] == 128  # the whole 16 x 8 cluster in turn
+
+
+def test_paper_32b_pods_request_disk_for_what_they_hold():
+    """Every pod that holds weights or a checkpoint asks for that much local disk: the
+    LimitRange default (10Gi) would have them evicted."""
+    from tasks.common import DISK_MARGIN_GIB, bootstrap_settings, registry_settings, rollout_settings, trainer_settings
+
+    config = DAPOConfig.paper_32b()
+    gib = {name: _quantity(settings["requests"].ephemeral_storage) / 2**30 - DISK_MARGIN_GIB for name, settings in {
+        "rollout": rollout_settings(config), "trainer": trainer_settings(config),
+        "bootstrap": bootstrap_settings(config), "register": registry_settings(config)}.items()}
+    weights_gib = 32.8e9 * 2 / 2**30  # bf16
+    assert gib["rollout"] >= weights_gib and gib["register"] >= weights_gib
+    assert gib["bootstrap"] >= 2 * weights_gib
+    assert gib["trainer"] >= 8 * weights_gib  # the ZeRO checkpoint: 16 bytes a parameter
+    assert max(gib.values()) + DISK_MARGIN_GIB <= _quantity(helm_values()["configuration"]["inline"]["task_resources"]["limits"]["ephemeralStorage"]) / 2**30
+
+
+def test_helm_values_let_flyte_create_pytorch_jobs_and_echo_tasks():
+    values = helm_values()
+    rules = values["rbac"]["extraRules"]
+    assert any("kubeflow.org" in r["apiGroups"] and "pytorchjobs" in r["resources"] and {"create", "watch", "delete"} <= set(r["verbs"])
+               for r in rules)
+    for plugins in (values["enabled_plugins"]["tasks"]["task-plugins"], values["configuration"]["inline"]["tasks"]["task-plugins"]):
+        assert "echo" in plugins["enabled-plugins"] and plugins["default-for-task-types"]["echo"] == "echo"
 
 
 # --------------------------------------------------------------------------- GPU pod templates

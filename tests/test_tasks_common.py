@@ -28,3 +28,92 @@ def test_download_weights_uses_a_local_checkpoint_in_place(tmp_path):
     (tmp_path / "trainer_state").mkdir()
     (tmp_path / "model.safetensors").write_bytes(b"w")
     assert Path(download_weights(FlyteDirectory(str(tmp_path)))) == tmp_path
+
+
+def test_a_checkpoint_passed_on_while_remote_is_keyed_by_its_store_marker_or_uri():
+    """Two different remote checkpoints never share a cache key (the empty local path did)."""
+    import json
+
+    from tasks.common import _directory_hash
+
+    marked = remote_checkpoint("memory://bucket/run/policy-4")
+    fsspec.filesystem("memory").pipe("memory://bucket/run/policy-4/COMPLETE", json.dumps({"content_hash": "abc", "files": {}}).encode())
+    assert _directory_hash(marked) == "abc"
+    unmarked = [_directory_hash(remote_checkpoint(f"memory://bucket/run/policy-{n}")) for n in (5, 6)]
+    assert unmarked[0] != unmarked[1] and all(h.startswith("uri:") for h in unmarked)
+
+
+def test_a_local_checkpoint_is_keyed_by_its_content(tmp_path):
+    from dapo import checkpoint
+    from tasks.common import _directory_hash
+
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    assert _directory_hash(FlyteDirectory(str(tmp_path))) == checkpoint.content_hash(tmp_path)
+    checkpoint.write_marker(tmp_path, step=1)
+    assert _directory_hash(FlyteDirectory(str(tmp_path))) == checkpoint.recorded_hash(tmp_path)
+
+
+def test_prepare_data_reads_data_given_as_uris():
+    """--train_data s3://... as on a cluster: fetched through flytekit's data layer (an
+    fsspec memory store here), validated and written like a local file."""
+    import io
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dapo.data import make_arithmetic_table
+    from tasks.data import prepare_data
+
+    fs = fsspec.filesystem("memory")
+    for name, rows in (("train", 12), ("val", 6)):
+        buffer = io.BytesIO()
+        pq.write_table(make_arithmetic_table(rows, seed=1), buffer)
+        fs.pipe(f"memory://bucket/data/{name}.parquet", buffer.getvalue())
+    data_json = json.dumps({"train_data_path": "memory://bucket/data/train.parquet",
+                            "val_data_path": "memory://bucket/data/val.parquet", "on_bad_row": "error"})
+    data, stats = prepare_data(data_json=data_json)
+    assert stats["data/train_rows"] == 12 and stats["data/val_rows"] == 6
+    assert pq.read_table(Path(data.path) / "train.parquet").num_rows == stats["data/train_kept"]
+
+
+def test_an_unreadable_data_uri_is_named():
+    import json
+
+    import pytest
+
+    from dapo.data import DataError
+    from tasks.data import prepare_data
+
+    data_json = json.dumps({"train_data_path": "memory://bucket/missing.parquet", "val_data_path": "memory://bucket/v.parquet",
+                            "on_bad_row": "error"})
+    with pytest.raises(Exception, match="memory://bucket/missing.parquet"):
+        prepare_data(data_json=data_json)
+
+
+def test_the_paper_preset_asks_for_its_data_before_any_work():
+    import pytest
+
+    from dapo.config import ConfigError
+    from tasks.data import resolve_config
+
+    with pytest.raises(ConfigError, match="--train_data"):
+        resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="")
+    config_json, _, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
+                                       train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
+    assert '"train_data_path": "s3://b/dapo.parquet"' in config_json
+
+
+def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_it(tmp_path):
+    """Each run has its own directory on trainer_shared_dir (runs sharing the volume never
+    prune each other), holding its newest shared_checkpoints_kept step checkpoints."""
+    from dapo.config import DAPOConfig
+    from tasks.train import step_output_dir
+
+    config = DAPOConfig.tiny_cpu().replace(trainer_shared_dir=str(tmp_path), shared_checkpoints_kept=2)
+    other = config.replace(seed=7)
+    dirs = [step_output_dir(config, config.to_json(), step) for step in range(4)]
+    other_dir = step_output_dir(other, other.to_json(), 0)
+    run_dir = Path(dirs[0]).parent
+    assert Path(other_dir).parent != run_dir and Path(other_dir).exists()
+    assert sorted(p.name.split("-")[1] for p in run_dir.iterdir()) == ["3", "4"]
+    assert Path(dirs[-1]).exists()

@@ -378,3 +378,17 @@ def test_deepspeed_checkpoint_loads_with_transformers(deepspeed_run):
 def test_deepspeed_nonfinite_loss_refuses_the_update(policy_dir):
     pytest.importorskip("deepspeed")
     check_nonfinite(*run_nonfinite(make_config(trainer_backend="deepspeed", micro_batch_size=3), policy_dir))
+
+
+def test_prune_step_dirs_keeps_the_newest_steps_of_the_run(tmp_path):
+    import os
+
+    from dapo.trainer import prune_step_dirs
+
+    for name, mtime in (("policy-2-aa", 1), ("policy-10-bb", 2), ("policy-3-cc", 3), ("policy-10-dd", 4), ("other", 0)):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (mtime, mtime))
+    removed = prune_step_dirs(tmp_path, keep=2)
+    assert sorted(os.path.basename(p) for p in removed) == ["policy-2-aa", "policy-3-cc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "policy-10-bb", "policy-10-dd"]
+    assert prune_step_dirs(tmp_path / "missing", keep=1) == []

@@ -10,22 +10,23 @@ steps and seeds (the starting policy and data are shared from the cache). The re
 from __future__ import annotations
 
 import json
+import shutil
 import typing
 from pathlib import Path
 
-from flytekit import Resources, dynamic, task, workflow
-from flytekit.types.file import FlyteFile
+from flytekit import FlyteContextManager, Resources, dynamic, task, workflow
+from flytekit.types.directory import FlyteDirectory
 
 from dapo import ablation as study
 from dapo import tracking
 from images.specs import CPU_IMAGE
-from tasks.common import LoopState
-from workflows.dapo import dapo_loop
+from tasks.common import LoopState, scratch_dir
+from workflows.dapo import DYNAMIC_POD, dapo_loop
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
-@dynamic
+@dynamic(**DYNAMIC_POD)
 def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, mlflow_tracking_uri: str) -> list[str]:
     """Launch every (variant, seed) run; returns their final loop states in grid order."""
     base = json.loads(base_overrides_json)
@@ -43,30 +44,33 @@ def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 def ablation_report(states: list[str], seeds: list[int], mlflow_tracking_uri: str) -> typing.NamedTuple(
-    "AblationReport", [("table", str), ("plot", FlyteFile)]
+    "AblationReport", [("table", str), ("report", FlyteDirectory)]
 ):
-    """The table (markdown) and curves; also written under benchmarks/results/ and logged to MLflow."""
+    """The table (markdown), curves and histories: this task's output directory, logged to
+    MLflow, and in a local run also copied to benchmarks/results/."""
     histories = [LoopState.from_json(s).history for s in states]
     rows = study.summarize(histories, seeds)
     table = study.markdown_table(rows)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot = RESULTS_DIR / "ablation_curves.png"
-    study.plot_curves(histories, seeds, plot)
-    (RESULTS_DIR / "ablation_table.md").write_text(table + "\n")
-    (RESULTS_DIR / "ablation_histories.json").write_text(json.dumps({"seeds": seeds, "histories": histories}))
+    out = Path(scratch_dir("ablation-report"))
+    study.plot_curves(histories, seeds, out / "ablation_curves.png")
+    (out / "ablation_table.md").write_text(table + "\n")
+    (out / "ablation_histories.json").write_text(json.dumps({"seeds": seeds, "histories": histories}))
     print(table, flush=True)
     target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), "dapo-ablation", f"report-{seeds}", "ablation-report")
-    records = [tracking.table_record("ablation_table.json", rows), tracking.artifact_record(plot),
-               tracking.artifact_record(RESULTS_DIR / "ablation_histories.json")]
+    records = [tracking.table_record("ablation_table.json", rows), tracking.artifact_record(out / "ablation_curves.png"),
+               tracking.artifact_record(out / "ablation_histories.json")]
     records += [tracking.metrics_record(0, {f"{r['key']}/val_acc_mean": r["val_acc_mean"], f"{r['key']}/val_acc_std": r["val_acc_std"]})
                 for r in rows]
-    for record in tracking.deliver(target, records):
-        tracking.spill([record], RESULTS_DIR / "undelivered-tracking.jsonl")
-    return table, FlyteFile(str(plot))
+    undelivered = tracking.deliver(target, records)
+    if undelivered:
+        tracking.spill(undelivered, out / "undelivered-tracking.jsonl")
+    if FlyteContextManager.current_context().execution_state.is_local_execution():
+        shutil.copytree(out, RESULTS_DIR, dirs_exist_ok=True)
+    return table, FlyteDirectory(str(out))
 
 
 @workflow
 def ablation(seeds: list[int] = [0, 1], total_steps: int = 8, mlflow_tracking_uri: str = "",
-             base_overrides_json: str = '{"val_every": 2}') -> typing.NamedTuple("Ablation", [("table", str), ("plot", FlyteFile)]):
+             base_overrides_json: str = '{"val_every": 2}') -> typing.NamedTuple("Ablation", [("table", str), ("report", FlyteDirectory)]):
     states = ablation_runs(seeds=seeds, total_steps=total_steps, base_overrides_json=base_overrides_json, mlflow_tracking_uri=mlflow_tracking_uri)
     return ablation_report(states=states, seeds=seeds, mlflow_tracking_uri=mlflow_tracking_uri)

@@ -1,18 +1,22 @@
 """dapo_loop: DAPO as a cached, resumable Flyte DAG.
 
-    resolve_config -> prepare_data -> bootstrap_policy -> evaluate(0) -> train
-    train (dynamic)       = a chain of train_chunk nodes, steps_per_chunk steps each
+    resolve_config -> prepare_data -> start_tracking -> train -> finish_tracking
+    train (dynamic)       = bootstrap_policy, evaluate(0) + register_model, then a chain
+                            of train_chunk nodes, steps_per_chunk steps each
     train_chunk (dynamic) = per step: sample_round, then up to max_num_gen_batches-1
                             conditional sample_rounds (taken only while the batch is
-                            short), policy_step, log_step, and every val_every steps
+                            short; once it is full, keep_batch echoes it through without
+                            a pod), policy_step, log_step, and every val_every steps
                             evaluate + register_model
     sample_round          = rollout and verify_rewards as map tasks (ArrayNodes) over
                             rollout_shards shards, then filter_groups over all shards
 
-Scale-out knobs (DAPOConfig): rollout_shards = rollout pods per round (each a slice of
-the round's prompts; with tensor_parallel_size GPUs each on a cluster);
-trainer_nnodes x trainer_nproc_per_node > 1 = the policy step as a torch-elastic task
-(one pod running nproc processes for one node, a PyTorchJob for more; see tasks/train.py).
+Every pod is shaped by the run's config: the dynamic workflows build the nodes they
+emit with `with_overrides` from it (GPUs = tensor_parallel_size per rollout pod, the
+trainer's nodes and GPUs, disk from model_size_billions, the GPU type, retries,
+timeouts; tasks.common.node_settings). Nothing is read from the registering machine's
+environment, which the pods never see. The dynamic workflows themselves run in the CPU
+image, which can import every task module.
 
 Why this shape: the step loop has a fixed length, so it is unrolled, in chunks, so
 that no dynamic workflow holds more than a few hundred nodes (the workflow CRD lives
@@ -22,7 +26,7 @@ nesting depth at 4 whatever the number of rounds or steps. A 1,000-step run with
 the paper's 10 rounds is 100 chunk nodes of ~150 nodes each.
 
 Run locally: pyflyte run workflows/dapo.py dapo_loop
-On a cluster: pyflyte run --remote workflows/dapo.py dapo_loop --preset paper_32b ...
+On a cluster: pyflyte run --remote --copy all workflows/dapo.py dapo_loop --preset paper_32b ...
 """
 
 from __future__ import annotations
@@ -31,34 +35,62 @@ import functools
 import typing
 
 import pyarrow as pa
-from flytekit import conditional, dynamic, map_task, workflow
+from flytekit import Resources, conditional, dynamic, map_task, workflow
+from flytekit.core.workflow import PythonFunctionWorkflow
 from flytekit.types.directory import FlyteDirectory
 
-from tasks.common import Checkpoint, load_config
+from dapo.config import DAPOConfig
+from images.specs import CPU_IMAGE
+from tasks.common import (
+    Checkpoint, bootstrap_settings, cpu_settings, load_config, registry_settings, rollout_settings, trainer_settings,
+)
 from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
-from tasks.rollout import FilteredBatch, filter_groups, keep_batch, rollout, verify_rewards
+from tasks.rollout import RoundResult, filter_groups, keep_batch, rollout, verify_rewards
 from tasks.tracking import finish_tracking, log_step, register_model, start_tracking
 from tasks.train import policy_step_for
 
 DEFAULT_STEPS_PER_CHUNK = 10
+DYNAMIC_POD = {"container_image": CPU_IMAGE, "requests": Resources(cpu="1", mem="2Gi")}
+"""Where the dynamic workflows run: they only build the DAG of their nodes."""
 
 
-@workflow
-def sample_round(
-    config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
-    kept: typing.Optional[pa.Table], sampling_state: str,
-) -> FilteredBatch:
-    """One generation round: rollout and verify_rewards mapped over the shards (ArrayNodes:
-    one rollout pod and one reward pod per shard), then filter_groups on all shards."""
-    responses = map_task(functools.partial(rollout, config_json=config_json, policy=policy, data=data, step=step, round_index=round_index))(
-        shard=shards
+@functools.lru_cache(maxsize=8)
+def sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
+    """One generation round as a sub-workflow whose pods are shaped by the run's config:
+    rollout and verify_rewards mapped over the shards (ArrayNodes: one rollout pod and
+    one reward pod per shard), then filter_groups on all shards."""
+    config = load_config(config_json)
+    rollout_pod, reward_pod, filter_pod = rollout_settings(config), cpu_settings(config, cpu=4, mem_gib=8), cpu_settings(config)
+
+    def sample_round(
+        config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
+        kept: typing.Optional[pa.Table], sampling_state: str,
+    ) -> RoundResult:
+        responses = map_task(functools.partial(rollout, config_json=config_json, policy=policy, data=data, step=step,
+                                               round_index=round_index))(shard=shards).with_overrides(**rollout_pod)
+        scored = map_task(functools.partial(verify_rewards, config_json=config_json, step=step))(responses=responses).with_overrides(
+            **reward_pod
+        )
+        return filter_groups(config_json=config_json, scored=scored, kept=kept, sampling_state=sampling_state).with_overrides(**filter_pod)
+
+    # One name whatever the config: the function is made here, not at module level.
+    sample_round.__qualname__ = sample_round.__name__
+    return workflow(sample_round)
+
+
+def evaluate_and_register(
+    config: DAPOConfig, config_json: str, target_json: str, loop_state, policy, data, step: int, model_name: str
+):
+    """evaluate (a rollout-shaped pod) then register_model; returns the new loop state."""
+    eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=step, loop_state=loop_state).with_overrides(
+        **rollout_settings(config)
     )
-    scored = map_task(functools.partial(verify_rewards, config_json=config_json, step=step))(responses=responses)
-    return filter_groups(config_json=config_json, scored=scored, kept=kept, sampling_state=sampling_state)
+    return register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=step, eval_metrics=eval_metrics,
+                          samples=samples, model_name=model_name).with_overrides(**registry_settings(config))
 
 
-@dynamic
+@dynamic(**DYNAMIC_POD)
 def train_chunk(
     config_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
     first_step: int, last_step: int, model_name: str,
@@ -68,6 +100,7 @@ def train_chunk(
     config = load_config(config_json)
     shards = list(range(config.rollout_shards))
     policy_step = policy_step_for(config)
+    sample_round = sample_round_workflow(config_json)
     for step in range(first_step, last_step):
         batch, sampling_state, done = sample_round(
             config_json=config_json, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
@@ -81,12 +114,12 @@ def train_chunk(
                 .else_()
                 .then(keep_batch(batch=batch, sampling_state=sampling_state, done=done))
             )
-        policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state, step=step)
-        loop_state = log_step(config_json=config_json, target_json=target_json, loop_state=loop_state, step=step + 1, step_metrics=metrics)
+        policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state,
+                                      step=step).with_overrides(**trainer_settings(config))
+        loop_state = log_step(config_json=config_json, target_json=target_json, loop_state=loop_state, step=step + 1,
+                              step_metrics=metrics).with_overrides(**cpu_settings(config))
         if is_validation_step(step + 1, config.val_every, config.total_steps):
-            eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=step + 1, loop_state=loop_state)
-            loop_state = register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=step + 1,
-                                        eval_metrics=eval_metrics, samples=samples, model_name=model_name)
+            loop_state = evaluate_and_register(config, config_json, target_json, loop_state, policy, data, step + 1, model_name)
     return policy, loop_state
 
 
@@ -95,16 +128,18 @@ def is_validation_step(step: int, val_every: int, total_steps: int) -> bool:
     return step == total_steps or (val_every > 0 and step % val_every == 0)
 
 
-@dynamic
+@dynamic(**DYNAMIC_POD)
 def train(
-    config_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str, model_name: str, steps_per_chunk: int
+    config_json: str, policy_json: str, target_json: str, data: FlyteDirectory, loop_state: str, model_name: str, steps_per_chunk: int
 ) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
-    """The step loop as a chain of chunks."""
-    total = load_config(config_json).total_steps
-    for first in range(0, total, steps_per_chunk):
+    """The starting policy, its validation, then the step loop as a chain of chunks."""
+    config = load_config(config_json)
+    policy = bootstrap_policy(policy_json=policy_json).with_overrides(**bootstrap_settings(config))
+    loop_state = evaluate_and_register(config, config_json, target_json, loop_state, policy, data, 0, model_name)
+    for first in range(0, config.total_steps, steps_per_chunk):
         policy, loop_state = train_chunk(
             config_json=config_json, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
-            first_step=first, last_step=min(first + steps_per_chunk, total), model_name=model_name,
+            first_step=first, last_step=min(first + steps_per_chunk, config.total_steps), model_name=model_name,
         )
     return policy, loop_state
 
@@ -125,18 +160,14 @@ def dapo_loop(
 
     preset: tiny_cpu | paper_32b; overrides_json: DAPOConfig fields as JSON, e.g.
     '{"clip_high": 0.2}'; total_steps: 0 keeps the preset's; train_data / val_data:
-    verl-format parquet paths or URIs; mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI
-    or ./mlflow.db; model_name: the MLflow registered model.
+    verl-format parquet paths or URIs (s3://..., gs://...); mlflow_tracking_uri: "" =
+    $MLFLOW_TRACKING_URI or ./mlflow.db; model_name: the MLflow registered model.
     """
     config_json, data_json, policy_json = resolve_config(
         preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data
     )
     data, data_stats = prepare_data(data_json=data_json)
-    policy = bootstrap_policy(policy_json=policy_json)
     target_json, loop_state = start_tracking(config_json=config_json, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment, data_stats=data_stats)
-    eval_metrics, samples = evaluate(config_json=config_json, policy=policy, data=data, step=0, loop_state=loop_state)
-    loop_state = register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=0,
-                                eval_metrics=eval_metrics, samples=samples, model_name=model_name)
-    final_policy, final_state = train(config_json=config_json, target_json=target_json, data=data, policy=policy,
+    final_policy, final_state = train(config_json=config_json, policy_json=policy_json, target_json=target_json, data=data,
                                       loop_state=loop_state, model_name=model_name, steps_per_chunk=steps_per_chunk)
     return final_policy, finish_tracking(target_json=target_json, loop_state=final_state)
