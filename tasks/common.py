@@ -25,11 +25,11 @@ CACHE_VERSIONS = {
     "resolve_config": "1",
     "prepare_data": "1",
     "bootstrap_policy": "1",
-    "rollout": "2",
+    "rollout": "3",  # 3: tied-embedding reload fix
     "verify_rewards": "2",
     "filter_groups": "2",
-    "policy_step": "2",
-    "evaluate": "1",
+    "policy_step": "3",  # 3: rollout guard
+    "evaluate": "2",  # 2: tied-embedding reload fix
     "track": "1",
 }
 
