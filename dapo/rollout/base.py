@@ -124,6 +124,17 @@ def iter_safetensors(checkpoint_dir: str | os.PathLike):
         yield from load_file(str(path)).items()
 
 
+def checkpoint_tensor_names(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """The tensor names of a safetensors checkpoint (headers only, no weights read)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in safetensors_files(checkpoint_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
 def checkpoint_fingerprint(checkpoint_dir: str | os.PathLike) -> tuple:
     """Path, sizes and modification times of the weight files: changes when the weights do."""
     directory = Path(checkpoint_dir).resolve()

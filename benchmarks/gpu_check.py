@@ -1,0 +1,154 @@
+"""What benchmarks/gpu_check.sh runs once the venv is ready: on one GPU (or --cpu, to check the
+script itself), all with generated policies (no hub):
+
+1. gaps: vLLM-vs-transformers sampled-token log-prob gap before and after an in-place reload
+   and on a fresh engine, tied and untied, per dtype (benchmarks/reload_gap.py); the bf16
+   row sets DAPOConfig's bf16 default (dapo.config.ROLLOUT_GAP_DEFAULTS).
+2. step: one DAPO step through the pipeline functions (rollout -> verify_rewards ->
+   filter_groups -> policy_step with DeepSpeed -> the new checkpoint reloaded in place ->
+   rollout again) on the tied policy, with the guard's metrics.
+3. speed (run first, in its own processes): vLLM tokens/s against transformers' generate
+   (benchmarks/rollout.py).
+4. peak GPU memory (torch's allocator in this process, and nvidia-smi).
+
+Writes OUT/gpu_check.json and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def log(message: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def one_step(work: Path, model_dir: str, dtype: str) -> dict:
+    from dapo import pipeline
+    from dapo.config import DAPOConfig
+
+    config = DAPOConfig.tiny_cpu().replace(
+        model_path=model_dir, dtype=dtype, train_prompt_bsz=8, gen_prompt_bsz=16, ppo_mini_batch_size=4,
+        n_samples_per_prompt=8, filter_metric="reward", max_response_length=64, overlong_buffer_len=16, max_num_gen_batches=3,
+    )
+    pipeline.prepare_data(config, work / "data")
+    pipeline.bootstrap_policy(config, work / "policy-0")
+    started = time.perf_counter()
+    state, kept = pipeline.SamplingState(), None
+    while not state.done:
+        table, rollout_metrics = pipeline.rollout(config, str(work / "policy-0"), str(work / "data"), 0, state.rounds)
+        scored = pipeline.verify_rewards(config, table, 0)
+        kept, state = pipeline.filter_groups(config, scored, kept, state, rollout_metrics)
+    metrics = pipeline.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
+    pipeline.check_rollout_guard(config, metrics, 0)
+    # the new checkpoint into the live engine (in place), then its own rollout and its gap
+    table, _ = pipeline.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
+    scored = pipeline.verify_rewards(config, table, 1)
+    state = pipeline.SamplingState(rounds=1, generated_groups=1, kept_groups=1)
+    after = pipeline.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
+    engine = pipeline.policy_engine(config, str(work / "policy-1"))
+    keys = ("guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped", "actor/num_updates", "step/skipped",
+            "sampling/kept_groups", "rollout/tokens_per_s", "actor/step_seconds")
+    return {
+        "dtype": dtype,
+        "step0": {k: metrics.get(k) for k in keys},
+        "step1_after_in_place_reload": {k: after.get(k) for k in keys},
+        "reload_mode": engine.last_reload_mode,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check"))
+    parser.add_argument("--cpu", action="store_true", help="run on CPU (fp32 only, smaller) to check the script")
+    parser.add_argument("--parts", default="speed,gaps,step")
+    parser.add_argument("--dtypes", nargs="+", help="gap dtypes (default: bfloat16 on a GPU, float32 on CPU)")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not args.cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    import torch
+
+    from benchmarks.reload_gap import measure
+    from dapo.policy_matrix import PolicyLayout, build_policy
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    if not args.cpu and not on_gpu:
+        sys.exit("no CUDA device visible (use --cpu to check the script on a CPU)")
+    out = Path(args.out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    dtypes = args.dtypes or (["bfloat16"] if on_gpu else ["float32"])
+    size = dict(hidden_size=256, num_hidden_layers=4) if on_gpu else {}
+    engine_options = {"gpu_memory_utilization": 0.3} if on_gpu else {}
+    parts = set(args.parts.split(","))
+    report: dict = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__}
+    try:
+        import vllm
+
+        report["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+
+    if on_gpu:
+        # In-process vLLM and DeepSpeed share the GPU here: cap vLLM's share (its default
+        # reserves 90% of the GPU). pipeline.policy_engine looks the function up at call time.
+        import functools
+
+        import dapo.rollout
+
+        dapo.rollout.cached_rollout_engine = functools.partial(dapo.rollout.cached_rollout_engine, gpu_memory_utilization=0.3)
+
+    if "speed" in parts:  # first: its own processes then have the whole GPU
+        policy = build_policy(work / "speed-policy", PolicyLayout(tied=True, **size))
+        log("tokens/s: vLLM against transformers generate")
+        command = [sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--model-dir", policy, "--dtype", dtypes[0],
+                   "--prompts", "64" if on_gpu else "8", "--n", "8" if on_gpu else "2", "--max-tokens", "128" if on_gpu else "16",
+                   "--json", str(out / "rollout_speed.json")]
+        subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        report["speed"] = json.loads((out / "rollout_speed.json").read_text())
+
+    if "gaps" in parts:
+        report["gaps"] = []
+        for dtype in dtypes:
+            for tied in (False, True):
+                log(f"gap: {'tied' if tied else 'untied'} {dtype}")
+                row = measure(PolicyLayout(tied=tied, **size), dtype, work / f"gaps-{dtype}", fresh=True, **engine_options)
+                log(json.dumps(row))
+                report["gaps"].append(row)
+
+    if "step" in parts:
+        policy = build_policy(work / "step-policy", PolicyLayout(tied=True, warm_start_steps=100, **size))
+        log("one DAPO step (vLLM + DeepSpeed) on the tied policy")
+        report["step"] = one_step(work / "step", policy, dtypes[0])
+        log(json.dumps(report["step"]))
+        from dapo.rollout import close_cached_rollout_engine
+
+        close_cached_rollout_engine()
+
+    if on_gpu:
+        report["peak_gpu_memory_gib_torch"] = torch.cuda.max_memory_reserved() / 2**30
+
+    if on_gpu:
+        try:
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            report["nvidia_smi_memory_now"] = used
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report, indent=1, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()
