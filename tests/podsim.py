@@ -139,6 +139,16 @@ def _top_level_entries(distribution: str) -> set[str]:
     return set()
 
 
+def image_envs_root() -> Path:
+    """A stable place for the image venvs of this venv: DeepSpeed's JIT-built ops are cached
+    by source path, so a fresh path per run would rebuild them (~60 s) every time."""
+    import hashlib
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    key = hashlib.sha256("\n".join([sys.prefix, *sorted(p.name for p in site.iterdir())]).encode()).hexdigest()[:12]
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapo-podsim" / key
+
+
 class ImageEnvs:
     """Python environments standing for images: this venv without some distributions.
 
@@ -153,7 +163,8 @@ class ImageEnvs:
         """The interpreter of the venv lacking `missing` (distribution names); made once."""
         name = "img-" + ("-".join(sorted(missing)) or "full")
         venv = self.root / name
-        if not (venv / "bin" / "python").exists():
+        if not (venv / "bin" / "pyflyte-map-execute").exists():
+            shutil.rmtree(venv, ignore_errors=True)
             hidden = set().union(*(_top_level_entries(d) for d in missing)) if missing else set()
             subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
             site = venv / "lib" / self.site.parent.name / "site-packages"

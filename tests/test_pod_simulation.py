@@ -31,9 +31,10 @@ DEFAULT_IMAGE_PACKAGES = ["flytekit"]
 """flytekit's default image (cr.flyte.org/flyteorg/flytekit): flytekit, none of the project's
 dependencies. PODSIM_DEFAULT_IMAGE_ROLE=cpu runs it as the cpu image instead, to look past
 issue 11's item 2 at what fails next."""
-# One small step: few prompts, G=4, short answers, two generation rounds at most.
+# One small step: few prompts, G=4, short answers, two generation rounds at most (the first
+# usually fills the batch of 2, so the conditional round is keep_batch: one cheap pod).
 SMALL = {
-    "embedded_warm_start_steps": 4, "train_prompt_bsz": 4, "gen_prompt_bsz": 8, "n_samples_per_prompt": 4,
+    "embedded_warm_start_steps": 4, "train_prompt_bsz": 2, "gen_prompt_bsz": 8, "n_samples_per_prompt": 4,
     "ppo_mini_batch_size": 2, "max_num_gen_batches": 2, "filter_metric": "reward", "max_response_length": 16,
     "overlong_buffer_len": 4, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 8, "total_steps": 1,
 }
@@ -62,7 +63,7 @@ def sim(tmp_path_factory):
     root = tmp_path_factory.mktemp("podsim")
     store = root / "store"
     registration = podsim.register(root / "registration", store, REGISTER_ARGS, env=REGISTRATION_ENV)
-    envs = podsim.ImageEnvs(root / "images")
+    envs = podsim.ImageEnvs(podsim.image_envs_root())
     everything = requirement_names("gpu")
 
     def python_for(template):
@@ -188,7 +189,7 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     assert chunks and steps, "the step did not reach policy_step: " + failure(sim)
     propeller, root = sim["propeller"], sim["root"]
     config = sim["config"].replace(trainer_nnodes=2, trainer_nproc_per_node=1, trainer_shared_dir=str(root / "shared"))
-    chunk_inputs = podsim._read(literals_pb2.LiteralMap, propeller.store / chunks[0][0] / "inputs.pb")
+    chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
     chunk_inputs.literals["config_json"].scalar.primitive.string_value = config.to_json()
     prefix = root / "store" / "elastic-chunk"
     pod = propeller.run_pod("elastic-chunk", chunks[0][1], chunk_inputs, prefix)
@@ -196,7 +197,6 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     spec = podsim._read(podsim.dynamic_job_pb2.DynamicJobSpec, prefix / "futures.pb")
     elastic = [t for t in spec.tasks if t.type == "pytorch"]
     assert len(elastic) == 1 and elastic[0].custom["workerReplicas"]["replicas"] == 2
-    assert elastic[0].container.image in sim["registration"].images
     args = list(elastic[0].container.args)
     assert args[args.index("--resolver") + 1] == "tasks.train.elastic_resolver", args[args.index("--resolver"):]
     step_inputs = podsim._read(literals_pb2.LiteralMap, steps[0].prefix / "inputs.pb")
@@ -205,3 +205,4 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
     metrics = from_literal(outputs.literals["metrics"], dict[str, float])
     assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert elastic[0].container.image in sim["registration"].images
