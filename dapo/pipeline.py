@@ -357,22 +357,9 @@ def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step:
         temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "regenerate", step),
     )
     completions = engine.generate([g["prompt"] for g in groups], sampling)
-    rows = [
-        {
-            "group_id": groups[c.prompt_index]["group_id"],
-            "prompt_uid": groups[c.prompt_index]["prompt_uid"],
-            "sample_index": c.sample_index,
-            "prompt": groups[c.prompt_index]["prompt"],
-            "ground_truth": groups[c.prompt_index]["ground_truth"],
-            "prompt_token_ids": c.prompt_token_ids,
-            "response_token_ids": c.token_ids,
-            "response_text": c.text,
-            "rollout_log_probs": c.log_probs,
-            "truncated": c.truncated,
-        }
-        for c in completions
-    ]
-    scored = verify_rewards(config, pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), step)
+    column = {key: [g[key] for g in groups] for key in ("group_id", "prompt_uid", "prompt", "ground_truth")}
+    table = rows_table(completions, column["group_id"], column["prompt_uid"], column["prompt"], column["ground_truth"])
+    scored = verify_rewards(config, table, step)
     if config.dynamic_sampling:
         group_ids = scored.column("group_id").to_pylist()
         keep = set(informative_groups(scored.column(config.filter_metric).to_pylist(), group_ids))
@@ -555,13 +542,19 @@ def completion_table(
     prompt_indices: each prompt's index in the whole round (default: its index here).
     """
     indices = prompt_indices or list(range(len(records)))
+    group_ids = [f"{group_prefix}-p{indices[i]}-{r.uid}" for i, r in enumerate(records)]
+    return rows_table(completions, group_ids, [r.uid for r in records], texts, [r.ground_truth for r in records])
+
+
+def rows_table(completions, group_ids: list[str], prompt_uids: list[str], texts: list[str], ground_truths: list[str]) -> pa.Table:
+    """ROLLOUT_SCHEMA rows: completion c answers prompt c.prompt_index of the four lists."""
     rows = [
         {
-            "group_id": f"{group_prefix}-p{indices[c.prompt_index]}-{records[c.prompt_index].uid}",
-            "prompt_uid": records[c.prompt_index].uid,
+            "group_id": group_ids[c.prompt_index],
+            "prompt_uid": prompt_uids[c.prompt_index],
             "sample_index": c.sample_index,
             "prompt": texts[c.prompt_index],
-            "ground_truth": records[c.prompt_index].ground_truth,
+            "ground_truth": ground_truths[c.prompt_index],
             "prompt_token_ids": c.prompt_token_ids,
             "response_token_ids": c.token_ids,
             "response_text": c.text,

@@ -14,8 +14,8 @@ from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from tasks.common import Checkpoint, cache, download_weights, load_config, ROLLOUT_POD
 
 RoundResult = typing.Tuple[pa.Table, str, bool]
-"""(batch, sampling_state, done) after a round: unnamed outputs (o0, o1, o2), the names
-keep_batch's echo gives its outputs, so both branches of a round's conditional agree."""
+"""(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
+branches of a round's conditional (sample_round, keep_round) return these."""
 
 
 @task(
@@ -54,7 +54,9 @@ def filter_groups(config_json: str, scored: list[pa.Table], kept: typing.Optiona
     return batch, state.to_json(), state.done
 
 
-keep_batch = Echo(name="keep_batch", inputs={"batch": pa.Table, "sampling_state": str, "done": bool})
-"""The branch taken once the batch is done: the batch passes on unchanged. An echo task runs
-in FlytePropeller (its `echo` plugin, enabled in k8s/flyte-binary-values.yaml): no pod, and
-the batch is not downloaded and uploaded again."""
+keep_batch = Echo(name="keep_batch", inputs={"batch": pa.Table})
+keep_sampling_state = Echo(name="keep_sampling_state", inputs={"sampling_state": str})
+keep_done = Echo(name="keep_done", inputs={"done": bool})
+"""Echo tasks run in FlytePropeller (its `echo` plugin, enabled in k8s/flyte-binary-values.yaml):
+no pod, nothing downloaded or uploaded. The plugin echoes one input, hence one task per
+value (workflows.dapo.keep_round)."""

@@ -57,10 +57,12 @@ def _write(message, path: Path) -> None:
 @dataclass
 class Registration:
     """What `pyflyte run --remote` registered: task templates by name, the images it named
-    (ImageSpec full name -> ImageSpec name), the fast-registration tarball, the version."""
+    (ImageSpec full name -> ImageSpec name, and -> the environment the image sets), the
+    fast-registration tarball, the version."""
 
     tasks: dict[str, tasks_pb2.TaskTemplate]
     image_specs: dict[str, str]
+    image_env: dict[str, dict[str, str]]
     distribution: str
     version: str
 
@@ -80,7 +82,7 @@ def register(out: Path, store: Path, argv: list[str], env: dict[str, str] | None
         raise RuntimeError(f"registration failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     summary = json.loads((out / "registration.json").read_text())
     tasks = {p.stem: _read(tasks_pb2.TaskTemplate, p) for p in sorted((out / "tasks").glob("*.pb"))}
-    return Registration(tasks, summary["image_specs"], summary["distribution"], summary["version"])
+    return Registration(tasks, summary["image_specs"], summary["image_env"], summary["distribution"], summary["version"])
 
 
 def _register_main(out: str, store: str, argv: list[str]) -> None:
@@ -93,10 +95,11 @@ def _register_main(out: str, store: str, argv: list[str]) -> None:
     from flytekit.remote.remote import FlyteRemote
     from flytekit.tools.script_mode import hash_file
 
-    out_dir, image_specs, seen = Path(out), {}, {}
+    out_dir, image_specs, image_env, seen = Path(out), {}, {}, {}
 
     def build(cls, spec):  # ImageBuildEngine.build: record the name flytekit computed, build nothing
         image_specs[spec.image_name()] = spec.name
+        image_env[spec.image_name()] = dict(spec.env or {})  # the image's ENV lines
 
     def upload_file(self, to_upload, project=None, domain=None, filename_root=None):
         target = Path(store) / "fast" / Path(to_upload).name
@@ -122,7 +125,7 @@ def _register_main(out: str, store: str, argv: list[str]) -> None:
     FlyteRemote.fetch_task = lambda self, *a, **k: type("Registered", (), {})()
     run_cli.run_remote = lambda *a, **k: None  # registered, not launched
     main(["run", "--remote", *argv], standalone_mode=False)
-    (out_dir / "registration.json").write_text(json.dumps({"image_specs": image_specs, **seen}, indent=1))
+    (out_dir / "registration.json").write_text(json.dumps({"image_specs": image_specs, "image_env": image_env, **seen}, indent=1))
 
 
 # ------------------------------------------------------------------ images
@@ -220,6 +223,8 @@ class Propeller:
     timeout: float = 600
     pods: list[Pod] = field(default_factory=list)
     dynamic_specs: dict[str, dynamic_job_pb2.DynamicJobSpec] = field(default_factory=dict)
+    echoed: list[str] = field(default_factory=list)  # echo tasks run (in propeller, no pod)
+    image_env: dict[str, dict[str, str]] = field(default_factory=dict)  # what each registered image sets
 
     # -- one pod
     def run_pod(self, node: str, template: tasks_pb2.TaskTemplate, inputs: literals_pb2.LiteralMap, prefix: Path,
@@ -234,7 +239,7 @@ class Propeller:
             args = [a.replace("{{.%s}}" % key, str(value)) for a in args]
         python = Path(self.python_for(template))
         env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
-               **self.env, **{e.key: e.value for e in template.container.env},
+               **self.image_env.get(template.container.image, {}), **self.env, **{e.key: e.value for e in template.container.env},
                "FLYTE_INTERNAL_EXECUTION_PROJECT": EXECUTION["project"], "FLYTE_INTERNAL_EXECUTION_DOMAIN": EXECUTION["domain"],
                "FLYTE_INTERNAL_EXECUTION_ID": EXECUTION["name"], "FLYTE_INTERNAL_TASK_PROJECT": template.id.project,
                "FLYTE_INTERNAL_TASK_DOMAIN": template.id.domain, "FLYTE_INTERNAL_TASK_NAME": template.id.name,
@@ -264,6 +269,8 @@ class Propeller:
     # -- nodes
     def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
         """A task node: its pod(s); a dynamic task's futures.pb executed in turn."""
+        if template.type == "echo":
+            return self.echo(template, inputs, prefix)
         workers = 1
         if template.type == "pytorch" and template.custom.fields.get("workerReplicas"):
             workers = int(template.custom["workerReplicas"]["replicas"])
@@ -278,6 +285,18 @@ class Propeller:
             outputs = self.run_nodes(list(spec.nodes), spec.outputs, literals_pb2.LiteralMap(), tasks, subworkflows, prefix / "dyn")
             _write(outputs, prefix / "outputs.pb")
         return _read(literals_pb2.LiteralMap, prefix / "outputs.pb")
+
+    def echo(self, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
+        """An echo task, as FlytePropeller's echo plugin runs it (no pod): its one input
+        becomes its one output; more than one input is an error there, so here too."""
+        names_in, names_out = list(template.interface.inputs.variables), list(template.interface.outputs.variables)
+        if len(names_in) != len(names_out) or len(names_in) > 1:
+            raise RuntimeError(f"echo task {template.id.name}: the echo plugin copies one input to one output, "
+                               f"not {names_in} -> {names_out}")
+        outputs = literals_pb2.LiteralMap(literals={out: inputs.literals[name] for name, out in zip(names_in, names_out)})
+        self.echoed.append(template.id.name)
+        _write(outputs, prefix / "outputs.pb")
+        return outputs
 
     def run_nodes(self, nodes, output_bindings, inputs, tasks, subworkflows, prefix: Path) -> literals_pb2.LiteralMap:
         """A workflow's nodes in dependency order; returns the workflow outputs."""

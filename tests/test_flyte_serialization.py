@@ -124,9 +124,12 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     elastic = next(t for name, t in tasks.items() if name.endswith("policy_step_elastic"))
     args = elastic.container.args
     assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "nnodes", "16", "nproc-per-node", "8"]
-    assert tasks["keep_batch"].type == "echo" and tasks["keep_batch"].container is None
+    # the full batch passes later rounds through echo tasks of one input each (the plugin echoes one)
+    echoes = [t for t in spec.tasks if t.type == "echo"]
+    assert sorted(t.id.name for t in echoes) == ["keep_batch", "keep_done", "keep_sampling_state"]
+    assert all(t.container is None and len(t.interface.inputs) == 1 for t in echoes)
 
-    (sample_round,) = spec.subworkflows
+    sample_round = next(w for w in spec.subworkflows if w.id.name.endswith("sample_round"))
     rollout_node = next(n for n in sample_round.nodes if "map_rollout" in n.metadata.name).array_node.node
     rollout_requests = node_requests(rollout_node.task_node.overrides)
     assert rollout_requests["gpu"] == "4" and rollout_requests["cpu"] == "32"  # tensor_parallel_size

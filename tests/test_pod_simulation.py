@@ -3,7 +3,7 @@ remote command does, then run the pods that command would start, each as a fresh
 in a directory standing for its image's /root, with its image's package set (tests/podsim.py).
 
 One training step runs through the harness from the `train` dynamic down: train ->
-train_chunk -> sample_round (rollout and verify_rewards ArrayNodes, filter_groups) ->
+bootstrap_policy -> evaluate + register_model (step 0) -> train_chunk -> sample_round (rollout and verify_rewards ArrayNodes, filter_groups) ->
 the conditional round -> policy_step -> log_step -> evaluate -> register_model; then the
 multi-node Elastic policy step that train_chunk emits for trainer_nnodes=2 runs as a
 2-worker PyTorchJob on the same inputs.
@@ -24,8 +24,8 @@ import podsim
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
-# README / k8s/README.md: `export DAPO_IMAGE_REGISTRY=...; pyflyte run --remote workflows/dapo.py dapo_loop`
-REGISTER_ARGS = os.environ.get("PODSIM_REGISTER_ARGS", "workflows/dapo.py dapo_loop").split()
+# README / k8s/README.md: `export DAPO_IMAGE_REGISTRY=...; pyflyte run --remote --copy all workflows/dapo.py dapo_loop`
+REGISTER_ARGS = os.environ.get("PODSIM_REGISTER_ARGS", "--copy all workflows/dapo.py dapo_loop").split()
 REGISTRATION_ENV = {"DAPO_IMAGE_REGISTRY": "registry.podsim.test/dapo"}
 DEFAULT_IMAGE_PACKAGES = ["flytekit"]
 """flytekit's default image (cr.flyte.org/flyteorg/flytekit): flytekit, none of the project's
@@ -38,7 +38,7 @@ SMALL = {
     "ppo_mini_batch_size": 2, "max_num_gen_batches": 2, "filter_metric": "reward", "max_response_length": 16,
     "overlong_buffer_len": 4, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 8, "total_steps": 1,
 }
-STEP_TASKS = ["rollout", "verify_rewards", "filter_groups", "policy_step", "log_step", "evaluate", "register_model"]
+STEP_TASKS = ["bootstrap_policy", "rollout", "verify_rewards", "filter_groups", "policy_step", "log_step", "evaluate", "register_model"]
 
 
 def requirement_names(role: str) -> set[str]:
@@ -59,6 +59,7 @@ def sim(tmp_path_factory):
     """Register, build the step's inputs into the store, run one step; failures are kept, not raised."""
     from dapo import pipeline, tracking
     from dapo.config import DAPOConfig
+    from tasks.data import POLICY_FIELDS, subset_json
 
     root = tmp_path_factory.mktemp("podsim")
     store = root / "store"
@@ -73,13 +74,12 @@ def sim(tmp_path_factory):
 
     config = DAPOConfig.preset("tiny_cpu", SMALL)
     pipeline.prepare_data(config, root / "data")
-    pipeline.bootstrap_policy(config, root / "policy-0")
     target = tracking.RunTarget(f"sqlite:///{root / 'mlflow.db'}", "podsim", "podsim", "podsim")  # the "MLflow server"
     inputs = {
-        "config_json": config.to_json(), "target_json": json.dumps(target.__dict__), "data": str(root / "data"),
-        "policy": str(root / "policy-0"), "loop_state": "", "model_name": "podsim-policy", "steps_per_chunk": 1,
+        "config_json": config.to_json(), "policy_json": subset_json(config, POLICY_FIELDS), "target_json": json.dumps(target.__dict__),
+        "data": str(root / "data"), "loop_state": "", "model_name": "podsim-policy", "steps_per_chunk": 1,
     }
-    propeller = podsim.Propeller(store, python_for, env={"OMP_NUM_THREADS": "1"}, timeout=420)
+    propeller = podsim.Propeller(store, python_for, env={"OMP_NUM_THREADS": "1"}, timeout=420, image_env=registration.image_env)
     state = {"registration": registration, "propeller": propeller, "config": config, "root": root, "error": None,
              "inputs": to_literal_map(inputs, store), "outputs": None}
     try:
@@ -99,7 +99,7 @@ def to_literal_map(values: dict, store: Path) -> literals_pb2.LiteralMap:
     from workflows.dapo import train
 
     hints = train.python_interface.inputs
-    values = {k: FlyteDirectory(v) if k in ("data", "policy") else v for k, v in values.items()}
+    values = {k: FlyteDirectory(v) if k == "data" else v for k, v in values.items()}
     access = FileAccessProvider(local_sandbox_dir=str(store / "sandbox"), raw_output_prefix=str(store / "inputs"))
     with FlyteContextManager.with_context(FlyteContextManager.current_context().with_file_access(access)) as ctx:
         return TypeEngine.dict_to_literal_map(ctx, values, hints).to_flyte_idl()
@@ -152,7 +152,8 @@ def test_every_image_a_dynamic_emits_was_registered(sim):
     registered, or every emitted task names an image nobody built (issue 11, item 1)."""
     pairs = emitted(sim)
     assert pairs, "no dynamic ran: " + failure(sim)
-    unknown = {(node, task_name(t), t.container.image) for node, t in pairs if t.container.image not in sim["registration"].images}
+    unknown = {(node, task_name(t), t.container.image) for node, t in pairs
+               if t.HasField("container") and t.container.image not in sim["registration"].images}  # echo tasks have none
     assert not unknown, f"emitted but never registered: {sorted(unknown)}; registered: {sorted(sim['registration'].images)}"
 
 
@@ -171,13 +172,17 @@ def test_one_step_through_the_store_gives_a_new_checkpoint_and_finite_metrics(si
     assert sim["outputs"] is not None, failure(sim)
     store = sim["root"] / "store"
     policy = sim["outputs"].literals["policy"].scalar.blob.uri
-    assert policy.startswith(str(store)) and policy != sim["inputs"].literals["policy"].scalar.blob.uri
-    assert (Path(policy) / "model.safetensors").exists()
+    assert policy.startswith(str(store)) and (Path(policy) / "model.safetensors").exists()
+    step_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "policy_step")[0].prefix / "inputs.pb")
+    assert policy != step_inputs.literals["policy"].scalar.blob.uri  # a new checkpoint
     step = pods_of(sim, "policy_step")[0]
     metrics = from_literal(podsim._read(literals_pb2.LiteralMap, step.prefix / "outputs.pb").literals["metrics"], dict[str, float])
     assert metrics and all(math.isfinite(v) for v in metrics.values()), metrics
+    # the second round ran as a sample_round, or (the batch being full) as echo tasks without a pod
+    rounds, echoed = len(pods_of(sim, "rollout")), sorted(sim["propeller"].echoed)
+    assert (rounds, echoed) in [(1, ["keep_batch", "keep_done", "keep_sampling_state"]), (2, [])], (rounds, echoed)
     history = json.loads(from_literal(sim["outputs"].literals["loop_state"], str))["history"]
-    assert [h["step"] for h in history] == [1] and "val/acc" in history[0]
+    assert [h["step"] for h in history] == [0, 1] and all("val/acc" in h for h in history)
     assert FlyteDirectory  # (imported for the type engine's FlyteDirectory transformer)
 
 

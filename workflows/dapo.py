@@ -5,7 +5,7 @@
                             of train_chunk nodes, steps_per_chunk steps each
     train_chunk (dynamic) = per step: sample_round, then up to max_num_gen_batches-1
                             conditional sample_rounds (taken only while the batch is
-                            short; once it is full, keep_batch echoes it through without
+                            short; once it is full, keep_round echoes it through without
                             a pod), policy_step, log_step, and every val_every steps
                             evaluate + register_model
     sample_round          = rollout and verify_rewards as map tasks (ArrayNodes) over
@@ -46,7 +46,7 @@ from tasks.common import (
 )
 from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
-from tasks.rollout import RoundResult, filter_groups, keep_batch, rollout, verify_rewards
+from tasks.rollout import RoundResult, filter_groups, keep_batch, keep_done, keep_sampling_state, rollout, verify_rewards
 from tasks.tracking import finish_tracking, log_step, register_model, start_tracking
 from tasks.train import policy_step_for
 
@@ -77,6 +77,13 @@ def sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
     # One name whatever the config: the function is made here, not at module level.
     sample_round.__qualname__ = sample_round.__name__
     return workflow(sample_round)
+
+
+@workflow
+def keep_round(batch: pa.Table, sampling_state: str, done: bool) -> RoundResult:
+    """The branch of a round once the batch is full: the round's result passes on unchanged,
+    through echo tasks (no pod, no data moved)."""
+    return keep_batch(batch=batch), keep_sampling_state(sampling_state=sampling_state), keep_done(done=done)
 
 
 def evaluate_and_register(
@@ -112,7 +119,7 @@ def train_chunk(
                 .then(sample_round(config_json=config_json, policy=policy, data=data, step=step, round_index=round_index,
                                    shards=shards, kept=batch, sampling_state=sampling_state))
                 .else_()
-                .then(keep_batch(batch=batch, sampling_state=sampling_state, done=done))
+                .then(keep_round(batch=batch, sampling_state=sampling_state, done=done))
             )
         policy, metrics = policy_step(config_json=config_json, policy=policy, batch=batch, sampling_state=sampling_state,
                                       step=step).with_overrides(**trainer_settings(config))
