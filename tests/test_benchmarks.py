@@ -1,25 +1,34 @@
 """The benchmarks' own logic (the runs themselves: benchmarks/*.py, see RESULTS.md)."""
 
-import time
 from types import SimpleNamespace
 
+import pytest
+
+from benchmarks import overhead
 from benchmarks.overhead import ExclusiveTimer, short_name
 from benchmarks.vs_trl import DapoReward, trl_arguments
 from dapo.config import DAPOConfig
 from dapo.rewards import score_response
 
 
-def test_exclusive_timer_counts_every_second_once():
+def test_exclusive_timer_counts_every_second_once(monkeypatch):
+    """Each second goes to the innermost span only (a fake clock: exact, whatever the load)."""
+    clock = [0.0]
+    monkeypatch.setattr(overhead.time, "perf_counter", lambda: clock[0])
+
+    def advance(seconds: float) -> None:
+        clock[0] += seconds
+
     timer = ExclusiveTimer()
     with timer.span("Flyte", "outer"):
-        time.sleep(0.02)
+        advance(0.02)
         with timer.span("compute", "inner"):
-            time.sleep(0.05)
+            advance(0.05)
         with timer.span("MLflow", "setup-only", phase="setup"):
-            time.sleep(0.03)
+            advance(0.03)
     outer, inner = timer.totals[("steps", "Flyte", "outer")], timer.totals[("steps", "compute", "inner")]
-    assert 0.05 <= inner < 0.08 and 0.02 <= outer < 0.045
-    assert timer.phase_total("setup") >= 0.03 and timer.phase == "steps"
+    assert inner == pytest.approx(0.05) and outer == pytest.approx(0.02)
+    assert timer.phase_total("setup") == pytest.approx(0.03) and timer.phase == "steps"
     assert set(timer.by_category("steps")) == {("Flyte", "outer"), ("compute", "inner")}
 
 

@@ -32,7 +32,8 @@ def test_two_process_elastic_step_matches_one_process(tmp_path_factory, monkeypa
     monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")  # run the step, never serve it from ~/.flyte
     policy_dir = shared_tiny_policy(tmp_path_factory)
     table = scored_table(groups=4)
-    config = make_config(trainer_backend="deepspeed", zero_stage=2, micro_batch_size=3)
+    # The synthetic batch's rollout log-probs come from no engine: the rollout guard is off.
+    config = make_config(trainer_backend="deepspeed", zero_stage=2, micro_batch_size=3, max_rollout_logprob_gap=math.inf)
     two = config.replace(trainer_nproc_per_node=2)
     elastic = train.policy_step_for(two)
     assert elastic.task_config.nproc_per_node == 2 and elastic is not train.policy_step
