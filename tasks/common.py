@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -176,6 +177,12 @@ def download_weights(policy: FlyteDirectory) -> str:
     # One call for all files: fsspec's object-store filesystems fetch a list concurrently.
     fs.get(files, [os.path.join(target, name.rstrip("/").rsplit("/", 1)[-1]) for name in files])
     return target
+
+
+def run_key(config_json: str) -> str:
+    """One run's key: the same config is the same run (its MLflow run, its directory on
+    trainer_shared_dir), so a resumed or extended execution finds them again."""
+    return hashlib.sha256(config_json.encode()).hexdigest()[:16]
 
 
 def load_config(config_json: str) -> DAPOConfig:

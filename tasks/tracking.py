@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report, tracking
 from images.specs import CPU_IMAGE
-from tasks.common import Checkpoint, LoopState, cache, download_weights, load_config
+from tasks.common import Checkpoint, LoopState, cache, download_weights, load_config, run_key
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +36,7 @@ def start_tracking(config_json: str, tracking_uri: str, experiment: str, data_st
     """Bind this execution to one MLflow run (found again on resume) and log the config."""
     execution = current_context().execution_id.name
     config = load_config(config_json)
-    # The same config is the same (cached) run: a resumed execution keeps its MLflow run.
-    run_key = hashlib.sha256(config_json.encode()).hexdigest()[:16]
-    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key, run_name=f"dapo-{execution}")
+    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config_json), run_name=f"dapo-{execution}")
     records = [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)]
     pending = tracking.deliver(target, records, materialize=_materialize)
     return json.dumps(target.__dict__), LoopState(pending=pending).to_json()

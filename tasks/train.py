@@ -3,7 +3,6 @@ processes and nodes (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 no
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import typing
@@ -21,7 +20,7 @@ from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import (
     DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, gpu_pod, load_config,
-    scratch_dir,
+    run_key, scratch_dir,
 )
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
@@ -41,7 +40,7 @@ def step_output_dir(config: DAPOConfig, config_json: str, step: int) -> str:
     checkpoints live on in the object store as the outputs of their steps)."""
     if not config.trainer_shared_dir:
         return scratch_dir(f"policy-{step + 1}")
-    run_dir = os.path.join(config.trainer_shared_dir, "run-" + hashlib.sha256(config_json.encode()).hexdigest()[:12])
+    run_dir = os.path.join(config.trainer_shared_dir, "run-" + run_key(config_json))
     out_dir = scratch_dir(f"policy-{step + 1}", root=run_dir)
     prune_step_dirs(run_dir, keep=config.shared_checkpoints_kept)
     return out_dir
