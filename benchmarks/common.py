@@ -51,7 +51,7 @@ def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[s
     """
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
     from dapo import pipeline
-    from tasks.common import LoopState
+    from dapo.tracking import run_history
     from workflows.dapo import dapo_loop
 
     evaluate = pipeline.evaluate
@@ -67,11 +67,11 @@ def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[s
 
     pipeline.evaluate = timed_evaluate
     try:
-        policy, loop_state = dapo_loop(
+        policy, summary = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
             total_steps=steps, train_data=str(work / "data" / pipeline.TRAIN_FILE), val_data=str(work / "data" / pipeline.VAL_FILE),
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
         )
     finally:
         pipeline.evaluate = evaluate
-    return policy.path, LoopState.from_json(loop_state).history, eval_seconds
+    return policy.path, run_history(summary.mlflow_tracking_uri, summary.mlflow_run_id), eval_seconds

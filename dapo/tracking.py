@@ -77,9 +77,20 @@ def artifact_record(local_path: str | Path, artifact_path: str = "") -> dict:
     return {"kind": "artifact", "local_path": str(local_path), "artifact_path": artifact_path}
 
 
-def register_record(model_name: str, checkpoint_uri: str, step: int, val_acc: float) -> dict:
-    """checkpoint_uri: a local directory, or a remote URI that `materialize` turns into one."""
-    return {"kind": "register", "model_name": model_name, "checkpoint_uri": checkpoint_uri, "step": int(step), "val_acc": float(val_acc)}
+def register_record(model_name: str, checkpoint_uri: str, step: int, val_acc: float, execution: str = "") -> dict:
+    """checkpoint_uri: a local directory, or a remote URI that `materialize` turns into one;
+    execution: the Flyte execution that trained it (named in the version's description)."""
+    return {"kind": "register", "model_name": model_name, "checkpoint_uri": checkpoint_uri, "step": int(step),
+            "val_acc": float(val_acc), "execution": execution}
+
+
+def servable_files(checkpoint_dir: str | Path) -> list[Path]:
+    """What a registered version holds: the checkpoint's top-level files (weights, config,
+    tokenizer, generation config); never trainer_state/ (optimizer state, 7x the bf16
+    weights) nor the checkpoint's COMPLETE marker."""
+    from dapo.checkpoint import COMPLETE_FILE
+
+    return sorted(p for p in Path(checkpoint_dir).iterdir() if p.is_file() and p.name != COMPLETE_FILE)
 
 
 @dataclass
@@ -109,15 +120,24 @@ class Tracker:
             self._run_id = self._find_or_create_run()
         return self._run_id
 
+    def find_run(self, experiment_id: str | None = None):
+        """The run of this target's key, or None."""
+        if experiment_id is None:
+            experiment = self.client.get_experiment_by_name(self.target.experiment)
+            if experiment is None:
+                return None
+            experiment_id = experiment.experiment_id
+        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.target.run_key}'", max_results=1)
+        return runs[0] if runs else None
+
     def _find_or_create_run(self) -> str:
         experiment = self.client.get_experiment_by_name(self.target.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.target.experiment)
-        existing = self.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.target.run_key}'", max_results=1
-        )
-        if existing:
-            return existing[0].info.run_id
-        run = self.client.create_run(experiment_id, run_name=self.target.run_name, tags={RUN_KEY_TAG: self.target.run_key})
+        run = self.find_run(experiment_id)
+        if run is None:
+            run = self.client.create_run(experiment_id, run_name=self.target.run_name, tags={RUN_KEY_TAG: self.target.run_key})
+        elif run.info.status != "RUNNING":  # an ended run that an execution extends or resumes
+            self.client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
 
     # --- one record ------------------------------------------------------------------
@@ -146,7 +166,12 @@ class Tracker:
             raise ValueError(f"unknown tracking record kind {kind!r}")
 
     def register(self, record: dict) -> str:
-        """Log the checkpoint as run artifacts and register it; move the aliases."""
+        """Log the checkpoint's servable files as run artifacts and register them; move the aliases.
+
+        A copy, not a reference to the checkpoint in Flyte's store: Flyte's checkpoints
+        hold the trainer state beside the weights, and its raw-output store is scratch
+        space that a cluster expires (k8s/README.md), while a registered version must
+        outlive the run."""
         from mlflow.exceptions import MlflowException
 
         name = record["model_name"]
@@ -165,10 +190,13 @@ class Tracker:
         for version in self.client.search_model_versions(f"name = '{name}'"):
             if version.run_id == self.run_id and version.tags.get("step") == str(record["step"]):
                 return version.version  # already registered by an earlier, interrupted delivery
-        self.client.log_artifacts(self.run_id, self.materialize(record["checkpoint_uri"]), artifact_path=artifact_path)
+        for path in servable_files(self.materialize(record["checkpoint_uri"])):
+            self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        description = f"step {record['step']} of Flyte execution {record.get('execution', '?')}; checkpoint {record['checkpoint_uri']}"
         version = self.client.create_model_version(
-            name, source=source, run_id=self.run_id, tags={"step": str(record["step"]), "val_acc": f"{record['val_acc']:.6f}"}
+            name, source=source, run_id=self.run_id, description=description,
+            tags={"step": str(record["step"]), "val_acc": f"{record['val_acc']:.6f}"},
         )
         self.client.set_registered_model_alias(name, NEWEST_ALIAS, version.version)
         self._update_champion(name)
@@ -181,6 +209,45 @@ class Tracker:
             # Best accuracy; the later step wins a tie (it trained longer for the same score).
             best = max(scored, key=lambda v: (float(v.tags["val_acc"]), int(v.tags.get("step", 0))))
             self.client.set_registered_model_alias(name, CHAMPION_ALIAS, best.version)
+
+
+def end_run(target: RunTarget, status: str, tags: dict[str, str] | None = None) -> str:
+    """Set the run's tags and end it with status (FINISHED, FAILED, KILLED); returns its
+    id, or "" when there is no such run or MLflow cannot be reached (logged)."""
+    try:
+        tracker = Tracker(target)
+        run = tracker.find_run()
+        if run is None:
+            return ""
+        for key, value in (tags or {}).items():
+            tracker.client.set_tag(run.info.run_id, key, value)
+        tracker.client.set_terminated(run.info.run_id, status=status)
+        return run.info.run_id
+    except Exception as error:
+        logger.warning("could not end the MLflow run at %s as %s: %s", target.tracking_uri, status, error)
+        return ""
+
+
+def alias_version(target: RunTarget, model_name: str, alias: str = CHAMPION_ALIAS) -> str:
+    """The version of model_name that holds alias ("" if none or unreachable)."""
+    try:
+        return str(Tracker(target).client.get_model_version_by_alias(model_name, alias).version)
+    except Exception as error:
+        logger.warning("no %s version of %s at %s: %s", alias, model_name, target.tracking_uri, error)
+        return ""
+
+
+def run_history(tracking_uri: str, run_id: str) -> list[dict]:
+    """A run's metrics as one dict per step, {"step": s, key: value, ...}, in step order:
+    the learning curves, read back from MLflow instead of carried between tasks."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    by_step: dict[int, dict] = {}
+    for key in client.get_run(run_id).data.metrics:
+        for point in client.get_metric_history(run_id, key):  # the last value logged at a step wins
+            by_step.setdefault(point.step, {"step": point.step})[key] = point.value
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def _columns(rows: list[dict]) -> dict[str, list]:

@@ -1,15 +1,13 @@
-"""What every DAPO task shares: cache versions, the checkpoint type, the loop state."""
+"""What every DAPO task shares: cache versions, the checkpoint type, pod settings."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Annotated
 
 from flytekit import Cache, FlyteContextManager, Resources, current_context
@@ -24,15 +22,15 @@ from dapo.config import DAPOConfig
 # Bump a version when the task's code changes what it computes: cached results of the
 # old code are then not reused. One place, so a reviewer sees them all.
 CACHE_VERSIONS = {
-    "resolve_config": "1",
+    "resolve_config": "2",  # 2: also the step config
     "prepare_data": "1",
     "bootstrap_policy": "1",
     "rollout": "3",  # 3: tied-embedding reload fix
     "verify_rewards": "2",
     "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
     "policy_step": "3",  # 3: rollout guard
-    "evaluate": "2",  # 2: tied-embedding reload fix
-    "track": "2",  # 2: registered versions hold the weights, not trainer_state/
+    "evaluate": "3",  # 3: samples as a table, no loop state
+    "track": "3",  # 3: fixed-size loop state, servable-only versions, step-config run key
 }
 
 GPU_POD_TEMPLATE_NAME = "dapo-gpu"
@@ -179,10 +177,11 @@ def download_weights(policy: FlyteDirectory) -> str:
     return target
 
 
-def run_key(config_json: str) -> str:
-    """One run's key: the same config is the same run (its MLflow run, its directory on
-    trainer_shared_dir), so a resumed or extended execution finds them again."""
-    return hashlib.sha256(config_json.encode()).hexdigest()[:16]
+def run_key(step_json: str) -> str:
+    """One run's key, from its step config (DAPOConfig.step_json): the same step config is
+    the same run (its MLflow run, its directory on trainer_shared_dir), so a resumed or
+    extended execution, or one validating more often, finds them again."""
+    return hashlib.sha256(step_json.encode()).hexdigest()[:16]
 
 
 def load_config(config_json: str) -> DAPOConfig:
@@ -196,23 +195,3 @@ def scratch_dir(name: str, root: str = "") -> str:
     if root:
         os.makedirs(root, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"{name}-", dir=root or current_context().working_directory)
-
-
-@dataclass
-class LoopState:
-    """What the training loop carries from step to step besides the checkpoint.
-
-    history: per-step metrics (for the learning-curve Decks); pending: tracking
-    records MLflow has not accepted yet; bad_steps: consecutive non-finite updates.
-    """
-
-    history: list[dict] = field(default_factory=list)
-    pending: list[dict] = field(default_factory=list)
-    bad_steps: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "LoopState":
-        return cls(**json.loads(text)) if text else cls()

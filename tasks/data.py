@@ -21,7 +21,9 @@ PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b",)
 """Presets whose model is not meant for the embedded arithmetic task."""
 POLICY_FIELDS = ("model_path", "embedded_warm_start_steps")
 
-ResolvedConfig = typing.NamedTuple("ResolvedConfig", [("config_json", str), ("data_json", str), ("policy_json", str)])
+ResolvedConfig = typing.NamedTuple(
+    "ResolvedConfig", [("config_json", str), ("step_json", str), ("data_json", str), ("policy_json", str)]
+)
 
 
 def subset_json(config: DAPOConfig, fields: tuple[str, ...]) -> str:
@@ -33,13 +35,8 @@ def config_from_subset(subset_json: str) -> DAPOConfig:
     return DAPOConfig().replace(**json.loads(subset_json))
 
 
-@task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
-def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
-    """The run's validated config as JSON: a preset, then overrides, then the explicit inputs.
-
-    Invalid values fail here, before any other work starts. Also returns the data and
-    policy subsets that prepare_data and bootstrap_policy are cached on.
-    """
+def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> DAPOConfig:
+    """The run's validated config: a preset, then overrides, then the explicit inputs."""
     overrides = json.loads(overrides_json) if overrides_json else {}
     if not isinstance(overrides, dict):
         raise ValueError(f"overrides_json must be a JSON object, got {overrides_json!r}")
@@ -55,7 +52,16 @@ def resolve_config(preset: str, overrides_json: str, total_steps: int, train_dat
             f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
             "(verl-format parquet files, as URIs the cluster can read, e.g. s3://bucket/dapo-math-17k.parquet)"
         )
-    return ResolvedConfig(config.to_json(), subset_json(config, DATA_FIELDS), subset_json(config, POLICY_FIELDS))
+    return config
+
+
+@task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
+def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
+    """The run's validated config as JSON (resolve), and the subsets tasks are cached on: the
+    step config (DAPOConfig.step_json) for the step tasks, the data and policy fields for
+    prepare_data and bootstrap_policy. Invalid values fail here, before any other work."""
+    config = resolve(preset, overrides_json, total_steps, train_data, val_data)
+    return ResolvedConfig(config.to_json(), config.step_json(), subset_json(config, DATA_FIELDS), subset_json(config, POLICY_FIELDS))
 
 
 @task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))

@@ -1,22 +1,81 @@
-"""MLflow delivery between steps: metrics, sample tables and registered checkpoints."""
+"""MLflow delivery between steps: metrics, sample tables and registered checkpoints.
+
+What the loop carries from task to task (LoopState) has a fixed size however long the
+run: the metric history lives in MLflow, and records MLflow has not accepted yet wait in
+an outbox file in Flyte's store, passed on by its URI.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import logging
 import os
 import typing
+from dataclasses import dataclass
 
-from flytekit import FlyteContextManager, Resources, current_context, task
+import pyarrow as pa
+from flytekit import Deck, FlyteContextManager, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
+from flytekit.types.error import FlyteError
 
 from dapo import pipeline, report, tracking
+from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE
-from tasks.common import Checkpoint, LoopState, cache, download_weights, load_config, run_key
+from tasks.common import DECKS, Checkpoint, cache, download_weights, load_config, run_key
+from tasks.data import resolve
 
 logger = logging.getLogger(__name__)
 
 UNDELIVERED_FILE = "undelivered-tracking.jsonl"
+
+
+@dataclass
+class LoopState:
+    """What the training loop carries from step to step besides the checkpoint: a fixed
+    size, whatever the number of steps.
+
+    bad_steps: consecutive non-finite updates; outbox: URI of a JSON-lines file of the
+    tracking records MLflow has not accepted yet ("" = none); the best and the last
+    validation accuracy so far and their steps (-1 = none yet).
+    """
+
+    bad_steps: int = 0
+    outbox: str = ""
+    best_val_acc: float = 0.0
+    best_val_step: int = -1
+    last_val_acc: float = 0.0
+    last_val_step: int = -1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "LoopState":
+        return cls(**json.loads(text)) if text else cls()
+
+    def record_validation(self, step: int, val_acc: float) -> None:
+        self.last_val_acc, self.last_val_step = val_acc, step
+        if self.best_val_step < 0 or val_acc > self.best_val_acc:
+            self.best_val_acc, self.best_val_step = val_acc, step
+
+
+@dataclass
+class RunSummary:
+    """What dapo_loop ends with: the run in a few fields (the full record is in MLflow)."""
+
+    final_step: int
+    final_val_acc: float
+    best_val_acc: float
+    best_val_step: int
+    champion_version: str
+    """The registered version with the `champion` alias ("" if MLflow could not be reached)."""
+    model_name: str
+    mlflow_run_id: str
+    mlflow_tracking_uri: str
+    undelivered_records: int
+    """Tracking records MLflow has not accepted (kept in the outbox and, locally, in a file)."""
 
 
 def run_target(target_json: str) -> tracking.RunTarget:
@@ -29,17 +88,38 @@ def _materialize(uri: str) -> str:
     return download_weights(FlyteDirectory(uri))
 
 
+def read_outbox(state: LoopState) -> list[dict]:
+    if not state.outbox:
+        return []
+    fs = FlyteContextManager.current_context().file_access.get_filesystem_for_path(state.outbox)
+    return [json.loads(line) for line in fs.cat_file(state.outbox).decode().splitlines() if line]
+
+
+def deliver(state: LoopState, target_json: str, records: list[dict]) -> None:
+    """Send the outbox's records and then these; what is left goes into a new outbox file."""
+    left = tracking.deliver(run_target(target_json), read_outbox(state) + records, materialize=_materialize)
+    state.outbox = ""
+    if left:
+        lines = "".join(json.dumps(record) + "\n" for record in left).encode()
+        state.outbox = FlyteContextManager.current_context().file_access.put_raw_data(io.BytesIO(lines), file_name="outbox.jsonl")
+
+
+def execution_name() -> str:
+    return current_context().execution_id.name
+
+
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 def start_tracking(config_json: str, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
     "Tracking", [("target_json", str), ("loop_state", str)]
 ):
-    """Bind this execution to one MLflow run (found again on resume) and log the config."""
-    execution = current_context().execution_id.name
+    """Bind the run (its step config) to one MLflow run, found again when the run is resumed
+    or extended, and log the config."""
     config = load_config(config_json)
-    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config_json), run_name=f"dapo-{execution}")
-    records = [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)]
-    pending = tracking.deliver(target, records, materialize=_materialize)
-    return json.dumps(target.__dict__), LoopState(pending=pending).to_json()
+    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config_json), f"dapo-{execution_name()}")
+    target_json = json.dumps(target.__dict__)
+    state = LoopState()
+    deliver(state, target_json, [tracking.params_record(config.step_dict()), tracking.metrics_record(0, data_stats)])
+    return target_json, state.to_json()
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
@@ -49,44 +129,84 @@ def log_step(config_json: str, target_json: str, loop_state: str, step: int, ste
     state = LoopState.from_json(loop_state)
     state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
     seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
-    state.history.append({"step": step, **step_metrics, "step/seconds": seconds})
-    print(report.step_line(state.history[-1]), flush=True)
-    state.pending = tracking.deliver(run_target(target_json), state.pending + [tracking.metrics_record(step, step_metrics)], materialize=_materialize)
+    print(report.step_line({"step": step, **step_metrics, "step/seconds": seconds}), flush=True)
+    deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
     pipeline.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
     return state.to_json()
 
 
-@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
 def register_model(
-    target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: list[dict], model_name: str
+    target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: pa.Table, model_name: str
 ) -> str:
-    """Log validation metrics and samples, register the checkpoint, move champion/newest."""
+    """Log validation metrics and samples, register the checkpoint, move champion/newest;
+    the Deck shows the run's learning curves as MLflow has them."""
     state = LoopState.from_json(loop_state)
-    if state.history and state.history[-1]["step"] == step:
-        state.history[-1].update(eval_metrics)
-    else:
-        state.history.append({"step": step, **eval_metrics})
-    print(report.step_line(state.history[-1]), flush=True)
+    state.record_validation(step, eval_metrics.get("val/acc", 0.0))
+    print(report.step_line({"step": step, **eval_metrics}), flush=True)
     uri = policy.remote_source or policy.path
     records = [
         tracking.metrics_record(step, eval_metrics),
-        tracking.table_record(f"samples/step_{step:06d}.json", samples),
-        tracking.register_record(model_name, uri, step, eval_metrics.get("val/acc", 0.0)),
+        tracking.table_record(f"samples/step_{step:06d}.json", samples.to_pylist()),
+        tracking.register_record(model_name, uri, step, eval_metrics.get("val/acc", 0.0), execution=execution_name()),
     ]
-    state.pending = tracking.deliver(run_target(target_json), state.pending + records, materialize=_materialize)
+    deliver(state, target_json, records)
+    target = run_target(target_json)
+    try:
+        run_id = tracking.Tracker(target).run_id
+        Deck("Learning curves", report.png_html(report.learning_curves_png(tracking.run_history(target.tracking_uri, run_id)), "learning curves"))
+    except Exception as error:  # the curves are a view; MLflow being down must not fail the step
+        logger.warning("no learning-curve Deck: MLflow at %s: %s", target.tracking_uri, error)
     return state.to_json()
+
+
+def run_tags(config: DAPOConfig) -> dict[str, str]:
+    """Tags of an execution (MLflow params cannot change, and these may between
+    executions of one run): the run's length, validation period and the config's extra tags."""
+    return {"dapo.total_steps": str(config.total_steps), "dapo.val_every": str(config.val_every),
+            "flyte.execution": execution_name(), **{str(k): str(v) for k, v in config.extra.items()}}
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
-def finish_tracking(target_json: str, loop_state: str) -> str:
-    """A last delivery; what still cannot be delivered is kept in the output and on disk."""
+def finish_tracking(config_json: str, target_json: str, loop_state: str, model_name: str) -> RunSummary:
+    """A last delivery, then the run ends FINISHED with this execution's tags; returns the
+    run's summary.
+
+    Not cached: every execution, a resumed or an extended one too, ends its run. What
+    still cannot be delivered stays in the outbox and, in a local run, in a file."""
     state = LoopState.from_json(loop_state)
-    state.pending = tracking.deliver(run_target(target_json), state.pending, materialize=_materialize)
-    if state.pending:
-        where = "this task's output (loop_state.pending)"
+    deliver(state, target_json, [])
+    pending = read_outbox(state)
+    if pending:
+        where = f"the outbox {state.outbox}"
         if FlyteContextManager.current_context().execution_state.is_local_execution():
             # A local run's sandbox is temporary: also leave them beside the user's command.
-            tracking.spill(state.pending, UNDELIVERED_FILE)
+            tracking.spill(pending, UNDELIVERED_FILE)
             where += f" and {os.path.abspath(UNDELIVERED_FILE)}"
-        logger.warning("%d tracking record(s) could not be delivered; kept in %s", len(state.pending), where)
-    return state.to_json()
+        logger.warning("%d tracking record(s) could not be delivered; kept in %s", len(pending), where)
+    target = run_target(target_json)
+    run_id = tracking.end_run(target, "FINISHED", run_tags(load_config(config_json)))
+    return RunSummary(
+        final_step=state.last_val_step, final_val_acc=state.last_val_acc, best_val_acc=state.best_val_acc,
+        best_val_step=state.best_val_step, champion_version=tracking.alias_version(target, model_name), model_name=model_name,
+        mlflow_run_id=run_id, mlflow_tracking_uri=target.tracking_uri, undelivered_records=len(pending),
+    )
+
+
+@task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+def end_failed_run(
+    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
+    mlflow_experiment: str, model_name: str, steps_per_chunk: int, err: typing.Optional[FlyteError] = None,
+) -> None:
+    """dapo_loop's failure handler: the run's MLflow run (if it was started) ends FAILED,
+    with the error as a tag, instead of staying RUNNING forever."""
+    try:
+        config = resolve(preset, overrides_json, total_steps, train_data, val_data)
+    except Exception as error:  # the config itself was the failure: no run was started
+        logger.warning("dapo_loop failed before its MLflow run started: %s", error)
+        return
+    target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config.step_json()), "")
+    message = (err.message if err else "unknown error")[:4000]
+    tags = {**run_tags(config), "flyte.error": message, "flyte.failed_node": err.failed_node_id if err else ""}
+    if tracking.end_run(target, "FAILED", tags):
+        logger.warning("MLflow run of %s marked FAILED", mlflow_experiment)

@@ -29,6 +29,7 @@ def main() -> None:
     from dapo.policy_matrix import PolicyLayout, build_policy
 
     torch.set_num_threads(1)
+    from dapo.tracking import run_history
     from workflows.dapo import dapo_loop
 
     for spec in sys.argv[2:]:
@@ -39,11 +40,11 @@ def main() -> None:
             build_policy(model_dir, layout)
         overrides = {**SMALL, "model_path": str(model_dir), "dtype": dtype}
         started = time.perf_counter()
-        _, loop_state = dapo_loop(
+        _, summary = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=2,
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", model_name=f"matrix-{name}-{dtype}",
         )
-        history = json.loads(loop_state)["history"]
+        history = run_history(summary.mlflow_tracking_uri, summary.mlflow_run_id)
         print("MATRIX " + json.dumps({"policy": name, "dtype": dtype, "seconds": time.perf_counter() - started, "history": history}), flush=True)
 
 

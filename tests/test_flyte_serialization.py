@@ -93,13 +93,13 @@ def compile_dynamic(dynamic, tmp_path, **inputs):
     from flytekit.core.context_manager import ExecutionState, FlyteContextManager
 
     checkpoint_dir = tmp_path / "policy"
-    checkpoint_dir.mkdir()
+    checkpoint_dir.mkdir(parents=True)
     (checkpoint_dir / "config.json").write_text("{}")
+    directories = {k: FlyteDirectory(str(checkpoint_dir)) for k in ("data", "policy") if k in dynamic.python_interface.inputs}
     ctx = FlyteContextManager.current_context()
     state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
     with FlyteContextManager.with_context(ctx.with_serialization_settings(SETTINGS).with_execution_state(state)) as ctx:
-        return dynamic.compile_into_workflow(ctx, dynamic._task_function, data=FlyteDirectory(str(checkpoint_dir)),
-                                             policy=FlyteDirectory(str(checkpoint_dir)), **inputs)
+        return dynamic.compile_into_workflow(ctx, dynamic._task_function, **directories, **inputs)
 
 
 def node_requests(overrides) -> dict[str, str]:
@@ -116,8 +116,8 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     import datetime
 
     config = DAPOConfig.paper_32b().replace(gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
-    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config_json=config.to_json(), target_json="{}", loop_state="",
-                           first_step=0, last_step=1, model_name="m")
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config_json=config.to_json(), step_json=config.step_json(),
+                           target_json="{}", loop_state="", first_step=0, last_step=1, model_name="m")
     registered = {image.image_name() for image in (CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE)}
     tasks = {t.id.name: t for t in spec.tasks}
     assert {t.container.image for t in tasks.values() if t.container} <= registered
@@ -199,3 +199,26 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
 def test_validation_schedule():
     steps = [s for s in range(1, 13) if dapo_workflow.is_validation_step(s, 5, 12)]
     assert steps == [5, 10, 12]
+
+
+def bindings(spec) -> list:
+    """Every input binding of the spec's nodes and sub-workflows' nodes (literals inline)."""
+    nodes = list(spec.nodes) + [n for w in spec.subworkflows for n in w.nodes]
+    return [b for n in nodes for b in n.inputs]
+
+
+def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
+    """The README's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
+    step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
+    biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
+    config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000)
+    common = {"config_json": config.to_json(), "step_json": config.step_json(), "target_json": "{}", "loop_state": "", "model_name": "m"}
+    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_json="{}", steps_per_chunk=10,
+                                 **common)
+    chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=990, last_step=1000, **common)
+    assert len([n for n in train_spec.nodes if "train_chunk" in n.metadata.name]) == 100
+    spec_bytes = {"train": train_spec.to_flyte_idl().ByteSize(), "train_chunk": chunk_spec.to_flyte_idl().ByteSize()}
+    assert max(spec_bytes.values()) < 2**20, spec_bytes
+    largest_binding = max(b.binding.to_flyte_idl().ByteSize() for spec in (train_spec, chunk_spec) for b in bindings(spec))
+    assert largest_binding < 64 * 1024, largest_binding
+    print(f"paper_32b, 1,000 steps: dynamic specs {spec_bytes} bytes; largest bound input {largest_binding} bytes")

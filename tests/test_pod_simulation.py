@@ -76,11 +76,11 @@ def sim(tmp_path_factory):
     pipeline.prepare_data(config, root / "data")
     target = tracking.RunTarget(f"sqlite:///{root / 'mlflow.db'}", "podsim", "podsim", "podsim")  # the "MLflow server"
     inputs = {
-        "config_json": config.to_json(), "policy_json": subset_json(config, POLICY_FIELDS), "target_json": json.dumps(target.__dict__),
+        "config_json": config.to_json(), "step_json": config.step_json(), "policy_json": subset_json(config, POLICY_FIELDS), "target_json": json.dumps(target.__dict__),
         "data": str(root / "data"), "loop_state": "", "model_name": "podsim-policy", "steps_per_chunk": 1,
     }
     propeller = podsim.Propeller(store, python_for, env={"OMP_NUM_THREADS": "1"}, timeout=420, image_env=registration.image_env)
-    state = {"registration": registration, "propeller": propeller, "config": config, "root": root, "error": None,
+    state = {"registration": registration, "propeller": propeller, "config": config, "root": root, "error": None, "target": target,
              "inputs": to_literal_map(inputs, store), "outputs": None}
     try:
         state["outputs"] = propeller.run_task_node("train", registration.tasks["workflows.dapo.train"], state["inputs"], store / "train")
@@ -181,8 +181,12 @@ def test_one_step_through_the_store_gives_a_new_checkpoint_and_finite_metrics(si
     # the second round ran as a sample_round, or (the batch being full) as echo tasks without a pod
     rounds, echoed = len(pods_of(sim, "rollout")), sorted(sim["propeller"].echoed)
     assert (rounds, echoed) in [(1, ["keep_batch", "keep_done", "keep_sampling_state"]), (2, [])], (rounds, echoed)
-    history = json.loads(from_literal(sim["outputs"].literals["loop_state"], str))["history"]
-    assert [h["step"] for h in history] == [0, 1] and all("val/acc" in h for h in history)
+    state = json.loads(from_literal(sim["outputs"].literals["loop_state"], str))
+    assert state["last_val_step"] == 1 and state["outbox"] == "", state  # validated after the step; MLflow took every record
+    from dapo import tracking
+
+    history = tracking.run_history(sim["target"].tracking_uri, tracking.Tracker(sim["target"]).run_id)
+    assert [h["step"] for h in history if "val/acc" in h] == [0, 1]
     assert FlyteDirectory  # (imported for the type engine's FlyteDirectory transformer)
 
 
@@ -196,6 +200,7 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     config = sim["config"].replace(trainer_nnodes=2, trainer_nproc_per_node=1, trainer_shared_dir=str(root / "shared"))
     chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
     chunk_inputs.literals["config_json"].scalar.primitive.string_value = config.to_json()
+    chunk_inputs.literals["step_json"].scalar.primitive.string_value = config.step_json()
     prefix = root / "store" / "elastic-chunk"
     pod = propeller.run_pod("elastic-chunk", chunks[0][1], chunk_inputs, prefix)
     assert not pod.failed, pod.tail()
@@ -205,7 +210,7 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     args = list(elastic[0].container.args)
     assert args[args.index("--resolver") + 1] == "tasks.train.elastic_resolver", args[args.index("--resolver"):]
     step_inputs = podsim._read(literals_pb2.LiteralMap, steps[0].prefix / "inputs.pb")
-    step_inputs.literals["config_json"].scalar.primitive.string_value = config.to_json()
+    step_inputs.literals["config_json"].scalar.primitive.string_value = config.step_json()
     outputs = propeller.run_task_node("elastic-step", elastic[0], step_inputs, root / "store" / "elastic-step")
     assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
     metrics = from_literal(outputs.literals["metrics"], dict[str, float])

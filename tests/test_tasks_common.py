@@ -1,5 +1,6 @@
 """Task helpers that move checkpoints."""
 
+import json
 from pathlib import Path
 
 import fsspec
@@ -98,9 +99,22 @@ def test_the_paper_preset_asks_for_its_data_before_any_work():
 
     with pytest.raises(ConfigError, match="--train_data"):
         resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="")
-    config_json, _, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
-                                       train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
+    config_json, _, _, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
+                                          train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
     assert '"train_data_path": "s3://b/dapo.parquet"' in config_json
+
+
+def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_algorithm():
+    """What the step tasks are cached on: the same for a longer run, other validation or
+    tags or pod settings; different for anything a step computes with."""
+    from tasks.data import resolve_config
+
+    def step_json(total_steps: int, **overrides) -> str:
+        return resolve_config(preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=total_steps, train_data="", val_data="")[1]
+
+    base = step_json(30)
+    assert step_json(35, val_every=1, extra={"team": "a"}, task_retries=3, gpu_accelerator="nvidia-h100") == base
+    assert step_json(30, clip_high=0.3) != base and step_json(30, seed=1) != base
 
 
 def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_it(tmp_path):

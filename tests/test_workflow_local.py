@@ -72,6 +72,45 @@ def test_local_run_completes_logs_steps_and_registers(first_run, home):
     assert {"actor/entropy", "sampling/kept_ratio", "val/acc", "rollout/tokens_per_s"} <= set(run.data.metrics)
 
 
+def mlflow_client(home: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{home / 'mlflow.db'}", registry_uri=f"sqlite:///{home / 'mlflow.db'}")
+
+
+def test_extending_a_run_computes_only_the_new_steps_in_the_same_mlflow_run(first_run, home):
+    """2 steps, then 3: the one new step runs (its step and validation lines), steps 1-2 come
+    from the cache, and the one MLflow run of the config goes on and ends FINISHED."""
+    longer = pyflyte_run(home, "--total_steps", "3", "--model_name", "e2e-policy")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert {line.split("|")[0] for line in step_lines(longer.stdout)} == {"step    3 "}, step_lines(longer.stdout)
+    client = mlflow_client(home)
+    runs = client.search_runs([client.get_experiment_by_name("dapo").experiment_id], filter_string="params.seed = '0'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    run = runs[0]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sampling/kept_ratio")] == [1, 2, 3]
+    assert run.data.tags["dapo.total_steps"] == "3"
+    versions = client.search_model_versions("name = 'e2e-policy'")
+    assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2, 3]  # none registered twice
+    assert all("trainer_state" not in str(path) for path in Path(client.download_artifacts(run.info.run_id, "checkpoints")).rglob("*"))
+    assert "final_step=3" in longer.stdout.replace(" ", ""), longer.stdout[-2000:]
+
+
+def test_node_outputs_do_not_grow_with_the_run(first_run, home):
+    """Every output a cached task passed on (the local cache holds them all) is under 64 KB:
+    batches, samples and checkpoints go by reference, the loop state has a fixed size."""
+    from diskcache import Cache
+    from flyteidl.core import literals_pb2
+
+    sizes = []
+    with Cache(str(home / ".flyte" / "local-cache")) as cache:
+        for key in cache.iterkeys():
+            outputs = literals_pb2.LiteralMap()
+            outputs.ParseFromString(cache[key])
+            sizes += [(len(literal.SerializeToString()), name) for name, literal in outputs.literals.items()]
+    assert len(sizes) > 20 and max(sizes)[0] < 64 * 1024, sorted(sizes)[-5:]
+
+
 def test_rerun_is_served_from_cache(first_run, home):
     again = pyflyte_run(home, "--total_steps", "2", "--model_name", "e2e-policy")
     assert again.returncode == 0, again.stderr[-3000:]

@@ -20,35 +20,36 @@ from flytekit.types.directory import FlyteDirectory
 from dapo import ablation as study
 from dapo import tracking
 from images.specs import CPU_IMAGE
-from tasks.common import LoopState, scratch_dir
+from tasks.common import scratch_dir
+from tasks.tracking import RunSummary
 from workflows.dapo import DYNAMIC_POD, dapo_loop
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
 @dynamic(**DYNAMIC_POD)
-def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, mlflow_tracking_uri: str) -> list[str]:
-    """Launch every (variant, seed) run; returns their final loop states in grid order."""
+def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, mlflow_tracking_uri: str) -> list[RunSummary]:
+    """Launch every (variant, seed) run; returns their summaries in grid order."""
     base = json.loads(base_overrides_json)
-    states = []
+    summaries = []
     for variant, seed in study.grid(seeds):
         overrides = {**base, **study.variant_overrides(variant), "seed": seed}
-        _, state = dapo_loop(
+        _, summary = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps(overrides, sort_keys=True), total_steps=total_steps,
             train_data="", val_data="", mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment="dapo-ablation",
             model_name=f"ablation-v{variant}", steps_per_chunk=total_steps,
         )
-        states.append(state)
-    return states
+        summaries.append(summary)
+    return summaries
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
-def ablation_report(states: list[str], seeds: list[int], mlflow_tracking_uri: str) -> typing.NamedTuple(
+def ablation_report(runs: list[RunSummary], seeds: list[int], mlflow_tracking_uri: str) -> typing.NamedTuple(
     "AblationReport", [("table", str), ("report", FlyteDirectory)]
 ):
     """The table (markdown), curves and histories: this task's output directory, logged to
     MLflow, and in a local run also copied to benchmarks/results/."""
-    histories = [LoopState.from_json(s).history for s in states]
+    histories = [tracking.run_history(run.mlflow_tracking_uri, run.mlflow_run_id) for run in runs]
     rows = study.summarize(histories, seeds)
     table = study.markdown_table(rows)
     out = Path(scratch_dir("ablation-report"))
@@ -72,5 +73,5 @@ def ablation_report(states: list[str], seeds: list[int], mlflow_tracking_uri: st
 @workflow
 def ablation(seeds: list[int] = [0, 1], total_steps: int = 8, mlflow_tracking_uri: str = "",
              base_overrides_json: str = '{"val_every": 2}') -> typing.NamedTuple("Ablation", [("table", str), ("report", FlyteDirectory)]):
-    states = ablation_runs(seeds=seeds, total_steps=total_steps, base_overrides_json=base_overrides_json, mlflow_tracking_uri=mlflow_tracking_uri)
-    return ablation_report(states=states, seeds=seeds, mlflow_tracking_uri=mlflow_tracking_uri)
+    runs = ablation_runs(seeds=seeds, total_steps=total_steps, base_overrides_json=base_overrides_json, mlflow_tracking_uri=mlflow_tracking_uri)
+    return ablation_report(runs=runs, seeds=seeds, mlflow_tracking_uri=mlflow_tracking_uri)
