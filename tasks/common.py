@@ -14,7 +14,10 @@ from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
+from fsspec.core import split_protocol
 from flytekit.types.directory import FlyteDirectory
+from flytekit.types.structured.basic_dfs import ParquetToArrowDecodingHandler
+from flytekit.types.structured.structured_dataset import StructuredDatasetTransformerEngine
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
@@ -153,6 +156,38 @@ def _directory_hash(directory: FlyteDirectory) -> str:
     except (OSError, ValueError, KeyError):
         return "uri:" + remote
 
+
+def directory_output(path: str) -> FlyteDirectory:
+    """A task's output directory, uploaded to the raw-output store whenever that is remote.
+
+    On a cluster flytekit uploads every output directory; in a local run against an
+    object store (`pyflyte run --raw-output-data-prefix s3://...`) it would keep them on
+    the local disk while tables go to the store, so a resumed run on another machine
+    would find half its data."""
+    file_access = FlyteContextManager.current_context().file_access
+    if file_access.is_remote(file_access.raw_output_prefix):
+        return FlyteDirectory(path, remote_directory=file_access.get_random_remote_directory())
+    return FlyteDirectory(path)
+
+
+class ArrowParquetDecoder(ParquetToArrowDecodingHandler):
+    """flytekit's pyarrow.Table decoder strips s3:// from the URI and reads the rest as a
+    local path, so every table input fails with FileNotFoundError once the data is in an
+    object store (flyteorg/flyte#5859, still in flytekit 1.16): this one reads it through
+    the store's filesystem. Registered in place of flytekit's, for every protocol."""
+
+    def decode(self, ctx, flyte_value, current_task_metadata):
+        import pyarrow.parquet as pq
+
+        uri = flyte_value.uri
+        if not ctx.file_access.is_remote(uri):
+            return super().decode(ctx, flyte_value, current_task_metadata)
+        metadata_type = current_task_metadata.structured_dataset_type
+        columns = [c.name for c in metadata_type.columns] if metadata_type and metadata_type.columns else None
+        return pq.read_table(split_protocol(uri)[1], filesystem=ctx.file_access.get_filesystem_for_path(uri), columns=columns)
+
+
+StructuredDatasetTransformerEngine.register(ArrowParquetDecoder(), override=True)
 
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""

@@ -13,7 +13,7 @@ from dapo import pipeline
 from dapo.config import ConfigError, DAPOConfig
 from dapo.data import DataError
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
-from tasks.common import Checkpoint, cache, scratch_dir
+from tasks.common import Checkpoint, cache, directory_output, scratch_dir
 
 
 DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row")
@@ -75,7 +75,7 @@ def prepare_data(data_json: str) -> typing.NamedTuple("PreparedData", [("data", 
     config = config_from_subset(data_json)
     config = config.replace(train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
     stats = pipeline.prepare_data(config, out_dir)
-    return FlyteDirectory(out_dir), stats
+    return directory_output(out_dir), stats
 
 
 def local_copy(path: str, directory: bool = False) -> str:
@@ -110,4 +110,4 @@ def bootstrap_policy(policy_json: str) -> Checkpoint:
 
         config = config_from_subset(policy_json)
         pipeline.bootstrap_policy(config.replace(model_path=local_copy(config.model_path, directory=True)), out_dir, progress=progress)
-    return FlyteDirectory(out_dir)
+    return directory_output(out_dir)

@@ -11,7 +11,6 @@ import pyarrow as pa
 from flytekit import Deck, task
 from flytekit.core.base_task import PythonTask, TaskResolverMixin
 from flytekit.core.tracker import TrackedInstance
-from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
 
 from dapo import pipeline, report
@@ -19,8 +18,8 @@ from dapo.config import DAPOConfig
 from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import (
-    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, gpu_pod, load_config,
-    run_key, scratch_dir,
+    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
+    load_config, run_key, scratch_dir,
 )
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
@@ -62,7 +61,7 @@ def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_
     metrics = pipeline.policy_step(config, policy.path, batch, state, step, out_dir)
     metrics["policy_step/seconds"] = time.perf_counter() - started
     Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
-    return StepOutput(FlyteDirectory(out_dir), metrics)
+    return StepOutput(directory_output(out_dir), metrics)
 
 
 def policy_step_elastic(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:

@@ -158,3 +158,50 @@ def test_credentials_in_the_uri_are_refused(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:hunter2@mlflow:5000")
     with pytest.raises(ValueError, match="carries a password"):
         tracking.default_tracking_uri()
+
+
+def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp_path, monkeypatch):
+    """dapo_loop's failure handler finds the run by its step config's key and ends it FAILED
+    with the error; the next delivery (a resumed execution) sets it RUNNING again."""
+    from flytekit.types.error import FlyteError
+
+    from tasks.common import run_key
+    from tasks.data import resolve
+    from tasks.tracking import end_failed_run
+
+    monkeypatch.chdir(tmp_path)
+    inputs = dict(preset="tiny_cpu", overrides_json='{"seed": 3}', total_steps=4, train_data="", val_data="",
+                  mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow_experiment="dapo-test", model_name="m", steps_per_chunk=2)
+    target = RunTarget(inputs["mlflow_tracking_uri"], "dapo-test", run_key(resolve("tiny_cpu", '{"seed": 3}', 9, "", "").step_json()), "x")
+    assert deliver(target, [metrics_record(1, {"acc": 0.5})]) == []
+    end_failed_run(**inputs, err=FlyteError(message="pod OOMKilled", failed_node_id="n3"))
+    client = client_for(target)
+    run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
+    assert run.info.status == "FAILED" and run.data.tags["flyte.error"] == "pod OOMKilled"
+    assert deliver(target, [metrics_record(2, {"acc": 0.6})]) == []
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
+
+
+def test_undelivered_records_wait_in_an_outbox_file_not_in_the_loop_state(tmp_path):
+    """MLflow down: the loop state keeps a URI, not the records, however many pile up;
+    MLflow back: the outbox is delivered in order and emptied."""
+    from tasks.tracking import LoopState, deliver as deliver_through_outbox, read_outbox
+
+    down = RunTarget("http://127.0.0.1:9", "dapo-test", "outbox", "x")  # nothing listens on port 9
+    state, sizes = LoopState(), []
+    for step in range(1, 6):
+        deliver_through_outbox(state, json_of(down), [metrics_record(step, {"acc": step / 10, "loss": 1.0})])
+        sizes.append(len(state.to_json()))
+    assert [r["step"] for r in read_outbox(state)] == [1, 2, 3, 4, 5]
+    assert len(set(sizes)) == 1  # the state does not grow with the records waiting
+    up = sqlite_target(tmp_path, key="outbox")
+    deliver_through_outbox(state, json_of(up), [metrics_record(6, {"acc": 0.6})])
+    assert state.outbox == ""
+    run_id = tracking.Tracker(up).run_id
+    assert [m.step for m in client_for(up).get_metric_history(run_id, "acc")] == [1, 2, 3, 4, 5, 6]
+
+
+def json_of(target: RunTarget) -> str:
+    import json
+
+    return json.dumps(target.__dict__)
