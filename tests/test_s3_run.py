@@ -4,6 +4,9 @@ MLflow's artifacts; a run killed mid-rollout resumes from what is in S3, nothing
 
 import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,18 +17,29 @@ BUCKET = "dapo"
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
+def s3_endpoint(tmp_path_factory):
+    """moto's S3 server in a process of its own: in this one its Flask app would leave
+    context-bound proxies in sys.modules, which vLLM's kernel registry trips over."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    log = (tmp_path_factory.mktemp("moto") / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
     endpoint = f"http://127.0.0.1:{port}"
-    s3_client(endpoint).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    try:
+        for _ in range(100):
+            try:
+                s3_client(endpoint).create_bucket(Bucket=BUCKET)
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"moto's S3 server did not start on {endpoint}")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
 
 
 def s3_client(endpoint: str):
