@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -37,7 +38,7 @@ RUN_FIELDS = (
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
 (disk, GPU type, retries, timeouts), but not what any step computes. The step config
-(DAPOConfig.step_json) leaves them out, so they are not in the tasks' cache keys: a run
+(DAPOConfig.step_config) leaves them out, so they are not in the tasks' cache keys: a run
 extended by more steps, or validated more often, reuses every step it already computed."""
 
 
@@ -175,8 +176,8 @@ class DAPOConfig:
     """Longest a cluster task may run before Flyte fails it (0 = no limit); also bounds
     how long a multi-node policy step waits for its workers to be scheduled."""
 
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form tags logged with the run (not used by the algorithm)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Free-form tags of the run, set as MLflow run tags (not used by the algorithm)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -312,10 +313,16 @@ class DAPOConfig:
         """The fields that change what a step computes (all but RUN_FIELDS)."""
         return {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
 
-    def step_json(self) -> str:
-        """The step config as JSON: what the step tasks receive and are cached on. Loaded
-        back (from_dict), the RUN_FIELDS take their defaults, which no step reads."""
-        return json.dumps(self.step_dict(), sort_keys=True)
+    def only(self, fields: Iterable[str]) -> "DAPOConfig":
+        """This config's values of `fields`, every other field at its default: what a task
+        that depends on `fields` alone receives, so that its cache key is those fields."""
+        values = self.to_dict()
+        return type(self)(**{name: values[name] for name in fields})
+
+    def step_config(self) -> "DAPOConfig":
+        """What the step tasks receive and are cached on: every field but RUN_FIELDS, which
+        are at their defaults there (no step reads them)."""
+        return self.only(self.step_dict())
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DAPOConfig":

@@ -14,10 +14,10 @@ from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
-from fsspec.core import split_protocol
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured.basic_dfs import ParquetToArrowDecodingHandler
 from flytekit.types.structured.structured_dataset import StructuredDatasetTransformerEngine
+from fsspec.core import split_protocol
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
@@ -212,15 +212,11 @@ def download_weights(policy: FlyteDirectory) -> str:
     return target
 
 
-def run_key(step_json: str) -> str:
-    """One run's key, from its step config (DAPOConfig.step_json): the same step config is
+def run_key(config: DAPOConfig) -> str:
+    """One run's key, from its step fields (DAPOConfig.step_dict): the same step config is
     the same run (its MLflow run, its directory on trainer_shared_dir), so a resumed or
     extended execution, or one validating more often, finds them again."""
-    return hashlib.sha256(step_json.encode()).hexdigest()[:16]
-
-
-def load_config(config_json: str) -> DAPOConfig:
-    return DAPOConfig.from_dict(json.loads(config_json))
+    return hashlib.sha256(json.dumps(config.step_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def scratch_dir(name: str, root: str = "") -> str:

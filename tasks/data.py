@@ -22,17 +22,8 @@ PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b",)
 POLICY_FIELDS = ("model_path", "embedded_warm_start_steps")
 
 ResolvedConfig = typing.NamedTuple(
-    "ResolvedConfig", [("config_json", str), ("step_json", str), ("data_json", str), ("policy_json", str)]
+    "ResolvedConfig", [("config", DAPOConfig), ("step_config", DAPOConfig), ("data_config", DAPOConfig), ("policy_config", DAPOConfig)]
 )
-
-
-def subset_json(config: DAPOConfig, fields: tuple[str, ...]) -> str:
-    """The fields a task depends on: its cache key, so runs that differ elsewhere share it."""
-    return json.dumps({name: getattr(config, name) for name in fields}, sort_keys=True)
-
-
-def config_from_subset(subset_json: str) -> DAPOConfig:
-    return DAPOConfig().replace(**json.loads(subset_json))
 
 
 def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> DAPOConfig:
@@ -57,22 +48,22 @@ def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str,
 
 @task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
 def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
-    """The run's validated config as JSON (resolve), and the subsets tasks are cached on: the
-    step config (DAPOConfig.step_json) for the step tasks, the data and policy fields for
-    prepare_data and bootstrap_policy. Invalid values fail here, before any other work."""
+    """The run's validated config (resolve), and the configs tasks are cached on, each with
+    only the fields its outputs depend on (DAPOConfig.only): the step config for the step
+    tasks, the data and policy fields for prepare_data and bootstrap_policy (shared by
+    runs that differ elsewhere). Invalid values fail here, before any other work."""
     config = resolve(preset, overrides_json, total_steps, train_data, val_data)
-    return ResolvedConfig(config.to_json(), config.step_json(), subset_json(config, DATA_FIELDS), subset_json(config, POLICY_FIELDS))
+    return ResolvedConfig(config, config.step_config(), config.only(DATA_FIELDS), config.only(POLICY_FIELDS))
 
 
 @task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
-def prepare_data(data_json: str) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
+def prepare_data(config: DAPOConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
     """Validated, de-duplicated train and validation parquet files.
 
     Cached on the data fields of the config only, so runs that differ in anything
     else (an ablation, another clip range) share one copy of the data.
     """
     out_dir = scratch_dir("data")
-    config = config_from_subset(data_json)
     config = config.replace(train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
     stats = pipeline.prepare_data(config, out_dir)
     return directory_output(out_dir), stats
@@ -94,7 +85,7 @@ def local_copy(path: str, directory: bool = False) -> str:
 
 
 @task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
-def bootstrap_policy(policy_json: str) -> Checkpoint:
+def bootstrap_policy(config: DAPOConfig) -> Checkpoint:
     """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model.
 
     Cached on the policy fields of the config only (shared across ablation variants).
@@ -108,6 +99,5 @@ def bootstrap_policy(policy_json: str) -> Checkpoint:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        config = config_from_subset(policy_json)
         pipeline.bootstrap_policy(config.replace(model_path=local_copy(config.model_path, directory=True)), out_dir, progress=progress)
     return directory_output(out_dir)

@@ -10,7 +10,8 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from tasks.common import DECKS, Checkpoint, cache, download_weights, load_config, ROLLOUT_POD
+from dapo.config import DAPOConfig
+from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", pa.Table)])
 """The samples are a table (stored as a file, passed by reference): 20k-token responses
@@ -23,8 +24,8 @@ would make an inline list larger than Flyte keeps in a node's outputs."""
     **ROLLOUT_POD,
     **DECKS,
 )
-def evaluate(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
+def evaluate(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
     """avg@k accuracy at the validation sampling settings, with sample completions."""
-    metrics, samples = pipeline.evaluate(load_config(config_json), download_weights(policy), data.download(), step)
+    metrics, samples = pipeline.evaluate(config, download_weights(policy), data.download(), step)
     Deck("Sample completions", report.html_table(samples))
     return EvalOutput(metrics, pa.Table.from_pylist(samples))

@@ -11,7 +11,8 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from tasks.common import Checkpoint, cache, download_weights, load_config, ROLLOUT_POD
+from dapo.config import DAPOConfig
+from tasks.common import Checkpoint, cache, download_weights, ROLLOUT_POD
 
 RoundResult = typing.Tuple[pa.Table, str, bool]
 """(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
@@ -23,13 +24,12 @@ branches of a round's conditional (sample_round, keep_round) return these."""
     container_image=ROLLOUT_IMAGE,
     **ROLLOUT_POD,
 )
-def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
+def rollout(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
     """G sampled responses per prompt of this round's slice `shard`, with the sampler's token
     log-probs; the shard's rollout metrics ride in the table's schema metadata (map tasks
     take one output)."""
     from tqdm import tqdm
 
-    config = load_config(config_json)
     with tqdm(desc=f"rollout step {step} round {round_index} shard {shard}", unit="sample", leave=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
@@ -40,17 +40,17 @@ def rollout(config_json: str, policy: Checkpoint, data: FlyteDirectory, step: in
 
 
 @task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
-def verify_rewards(config_json: str, responses: pa.Table, step: int) -> pa.Table:
+def verify_rewards(config: DAPOConfig, responses: pa.Table, step: int) -> pa.Table:
     """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
-    return pipeline.verify_rewards(load_config(config_json), responses, step)
+    return pipeline.verify_rewards(config, responses, step)
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
-def filter_groups(config_json: str, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
+def filter_groups(config: DAPOConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
     state = pipeline.SamplingState.from_json(sampling_state)
     round_table, rollout_metrics = pipeline.merge_shards(scored)
-    batch, state = pipeline.filter_groups(load_config(config_json), round_table, kept, state, rollout_metrics)
+    batch, state = pipeline.filter_groups(config, round_table, kept, state, rollout_metrics)
     return batch, state.to_json(), state.done
 
 

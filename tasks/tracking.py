@@ -23,7 +23,7 @@ from flytekit.types.error import FlyteError
 from dapo import pipeline, report, tracking
 from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE
-from tasks.common import DECKS, Checkpoint, cache, download_weights, load_config, run_key
+from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key
 from tasks.data import resolve
 
 logger = logging.getLogger(__name__)
@@ -109,13 +109,12 @@ def execution_name() -> str:
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
-def start_tracking(config_json: str, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
+def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
     "Tracking", [("target_json", str), ("loop_state", str)]
 ):
     """Bind the run (its step config) to one MLflow run, found again when the run is resumed
     or extended, and log the config."""
-    config = load_config(config_json)
-    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config_json), f"dapo-{execution_name()}")
+    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config), f"dapo-{execution_name()}")
     target_json = json.dumps(target.__dict__)
     state = LoopState()
     deliver(state, target_json, [tracking.params_record(config.step_dict()), tracking.metrics_record(0, data_stats)])
@@ -123,9 +122,8 @@ def start_tracking(config_json: str, tracking_uri: str, experiment: str, data_st
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
-def log_step(config_json: str, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
+def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
-    config = load_config(config_json)
     state = LoopState.from_json(loop_state)
     state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
     seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
@@ -168,7 +166,7 @@ def run_tags(config: DAPOConfig) -> dict[str, str]:
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
-def finish_tracking(config_json: str, target_json: str, loop_state: str, model_name: str) -> RunSummary:
+def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model_name: str) -> RunSummary:
     """A last delivery, then the run ends FINISHED with this execution's tags; returns the
     run's summary.
 
@@ -185,7 +183,7 @@ def finish_tracking(config_json: str, target_json: str, loop_state: str, model_n
             where += f" and {os.path.abspath(UNDELIVERED_FILE)}"
         logger.warning("%d tracking record(s) could not be delivered; kept in %s", len(pending), where)
     target = run_target(target_json)
-    run_id = tracking.end_run(target, "FINISHED", run_tags(load_config(config_json)))
+    run_id = tracking.end_run(target, "FINISHED", run_tags(config))
     return RunSummary(
         final_step=state.last_val_step, final_val_acc=state.last_val_acc, best_val_acc=state.best_val_acc,
         best_val_step=state.best_val_step, champion_version=tracking.alias_version(target, model_name), model_name=model_name,
@@ -205,7 +203,7 @@ def end_failed_run(
     except Exception as error:  # the config itself was the failure: no run was started
         logger.warning("dapo_loop failed before its MLflow run started: %s", error)
         return
-    target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config.step_json()), "")
+    target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config), "")
     message = (err.message if err else "unknown error")[:4000]
     tags = {**run_tags(config), "flyte.error": message, "flyte.failed_node": err.failed_node_id if err else ""}
     if tracking.end_run(target, "FAILED", tags):

@@ -19,7 +19,7 @@ from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import (
     DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
-    load_config, run_key, scratch_dir,
+    run_key, scratch_dir,
 )
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
@@ -30,7 +30,7 @@ def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> di
     return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
 
 
-def step_output_dir(config: DAPOConfig, config_json: str, step: int) -> str:
+def step_output_dir(config: DAPOConfig, step: int) -> str:
     """Where the step writes its checkpoint: the task's sandbox, or with several nodes a
     directory of this run under trainer_shared_dir (all ranks write their shards there).
 
@@ -39,14 +39,14 @@ def step_output_dir(config: DAPOConfig, config_json: str, step: int) -> str:
     checkpoints live on in the object store as the outputs of their steps)."""
     if not config.trainer_shared_dir:
         return scratch_dir(f"policy-{step + 1}")
-    run_dir = os.path.join(config.trainer_shared_dir, "run-" + run_key(config_json))
+    run_dir = os.path.join(config.trainer_shared_dir, "run-" + run_key(config))
     out_dir = scratch_dir(f"policy-{step + 1}", root=run_dir)
     prune_step_dirs(run_dir, keep=config.shared_checkpoints_kept)
     return out_dir
 
 
 @task(**trainer_pod(gpus=1))
-def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
     """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint.
 
     Under torch elastic every rank runs this body: the checkpoint directory is made by
@@ -54,8 +54,7 @@ def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_
     all take part in the update and in saving; flytekit returns rank 0's outputs.
     """
     started = time.perf_counter()
-    config = load_config(config_json)
-    out_dir = rank0_value(lambda: step_output_dir(config, config_json, step))
+    out_dir = rank0_value(lambda: step_output_dir(config, step))
     local_rank0_first(policy.download)  # one download per node, into the path every rank reads
     state = pipeline.SamplingState.from_json(sampling_state)
     metrics = pipeline.policy_step(config, policy.path, batch, state, step, out_dir)
@@ -64,9 +63,9 @@ def policy_step(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_
     return StepOutput(directory_output(out_dir), metrics)
 
 
-def policy_step_elastic(config_json: str, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step_elastic(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
     """policy_step's body, as the function of the Elastic tasks that elastic_policy_step makes."""
-    return policy_step.task_function(config_json, policy, batch, sampling_state, step)
+    return policy_step.task_function(config, policy, batch, sampling_state, step)
 
 
 class ElasticPolicyStepResolver(TrackedInstance, TaskResolverMixin):

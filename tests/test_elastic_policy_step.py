@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 def run_step(task, config, policy_dir: str, table) -> tuple[str, dict[str, float]]:
     """The task executed locally (outside a workflow), as pyflyte run would."""
-    out = task(config_json=config.to_json(), policy=FlyteDirectory(policy_dir), batch=table, sampling_state="", step=0)
+    out = task(config=config, policy=FlyteDirectory(policy_dir), batch=table, sampling_state="", step=0)
     return out.policy.path, out.metrics
 
 

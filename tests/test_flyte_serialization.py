@@ -116,7 +116,7 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     import datetime
 
     config = DAPOConfig.paper_32b().replace(gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
-    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config_json=config.to_json(), step_json=config.step_json(),
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
                            target_json="{}", loop_state="", first_step=0, last_step=1, model_name="m")
     registered = {image.image_name() for image in (CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE)}
     tasks = {t.id.name: t for t in spec.tasks}
@@ -212,8 +212,8 @@ def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
     step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
     biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
     config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000)
-    common = {"config_json": config.to_json(), "step_json": config.step_json(), "target_json": "{}", "loop_state": "", "model_name": "m"}
-    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_json="{}", steps_per_chunk=10,
+    common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
+    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), steps_per_chunk=10,
                                  **common)
     chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=990, last_step=1000, **common)
     assert len([n for n in train_spec.nodes if "train_chunk" in n.metadata.name]) == 100

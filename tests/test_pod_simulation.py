@@ -59,7 +59,7 @@ def sim(tmp_path_factory):
     """Register, build the step's inputs into the store, run one step; failures are kept, not raised."""
     from dapo import pipeline, tracking
     from dapo.config import DAPOConfig
-    from tasks.data import POLICY_FIELDS, subset_json
+    from tasks.data import POLICY_FIELDS
 
     root = tmp_path_factory.mktemp("podsim")
     store = root / "store"
@@ -76,7 +76,8 @@ def sim(tmp_path_factory):
     pipeline.prepare_data(config, root / "data")
     target = tracking.RunTarget(f"sqlite:///{root / 'mlflow.db'}", "podsim", "podsim", "podsim")  # the "MLflow server"
     inputs = {
-        "config_json": config.to_json(), "step_json": config.step_json(), "policy_json": subset_json(config, POLICY_FIELDS), "target_json": json.dumps(target.__dict__),
+        "config": config, "step_config": config.step_config(), "policy_config": config.only(POLICY_FIELDS),
+        "target_json": json.dumps(target.__dict__),
         "data": str(root / "data"), "loop_state": "", "model_name": "podsim-policy", "steps_per_chunk": 1,
     }
     propeller = podsim.Propeller(store, python_for, env={"OMP_NUM_THREADS": "1"}, timeout=420, image_env=registration.image_env)
@@ -103,6 +104,17 @@ def to_literal_map(values: dict, store: Path) -> literals_pb2.LiteralMap:
     access = FileAccessProvider(local_sandbox_dir=str(store / "sandbox"), raw_output_prefix=str(store / "inputs"))
     with FlyteContextManager.with_context(FlyteContextManager.current_context().with_file_access(access)) as ctx:
         return TypeEngine.dict_to_literal_map(ctx, values, hints).to_flyte_idl()
+
+
+def config_literal(config) -> literals_pb2.Literal:
+    """A DAPOConfig as the literal a task input holds (flytekit's dataclass encoding)."""
+    from flytekit import FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    from dapo.config import DAPOConfig
+
+    ctx = FlyteContextManager.current_context()
+    return TypeEngine.to_literal(ctx, config, DAPOConfig, TypeEngine.to_literal_type(DAPOConfig)).to_flyte_idl()
 
 
 def from_literal(literal: literals_pb2.Literal, python_type):
@@ -199,8 +211,8 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     propeller, root = sim["propeller"], sim["root"]
     config = sim["config"].replace(trainer_nnodes=2, trainer_nproc_per_node=1, trainer_shared_dir=str(root / "shared"))
     chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
-    chunk_inputs.literals["config_json"].scalar.primitive.string_value = config.to_json()
-    chunk_inputs.literals["step_json"].scalar.primitive.string_value = config.step_json()
+    chunk_inputs.literals["config"].CopyFrom(config_literal(config))
+    chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
     prefix = root / "store" / "elastic-chunk"
     pod = propeller.run_pod("elastic-chunk", chunks[0][1], chunk_inputs, prefix)
     assert not pod.failed, pod.tail()
@@ -210,7 +222,7 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     args = list(elastic[0].container.args)
     assert args[args.index("--resolver") + 1] == "tasks.train.elastic_resolver", args[args.index("--resolver"):]
     step_inputs = podsim._read(literals_pb2.LiteralMap, steps[0].prefix / "inputs.pb")
-    step_inputs.literals["config_json"].scalar.primitive.string_value = config.step_json()
+    step_inputs.literals["config"].CopyFrom(config_literal(config.step_config()))
     outputs = propeller.run_task_node("elastic-step", elastic[0], step_inputs, root / "store" / "elastic-step")
     assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
     metrics = from_literal(outputs.literals["metrics"], dict[str, float])

@@ -70,25 +70,22 @@ def test_prepare_data_reads_data_given_as_uris():
         buffer = io.BytesIO()
         pq.write_table(make_arithmetic_table(rows, seed=1), buffer)
         fs.pipe(f"memory://bucket/data/{name}.parquet", buffer.getvalue())
-    data_json = json.dumps({"train_data_path": "memory://bucket/data/train.parquet",
-                            "val_data_path": "memory://bucket/data/val.parquet", "on_bad_row": "error"})
-    data, stats = prepare_data(data_json=data_json)
+    from dapo.config import DAPOConfig
+
+    data_config = DAPOConfig(train_data_path="memory://bucket/data/train.parquet", val_data_path="memory://bucket/data/val.parquet")
+    data, stats = prepare_data(config=data_config)
     assert stats["data/train_rows"] == 12 and stats["data/val_rows"] == 6
     assert pq.read_table(Path(data.path) / "train.parquet").num_rows == stats["data/train_kept"]
 
 
 def test_an_unreadable_data_uri_is_named():
-    import json
-
     import pytest
 
-    from dapo.data import DataError
+    from dapo.config import DAPOConfig
     from tasks.data import prepare_data
 
-    data_json = json.dumps({"train_data_path": "memory://bucket/missing.parquet", "val_data_path": "memory://bucket/v.parquet",
-                            "on_bad_row": "error"})
     with pytest.raises(Exception, match="memory://bucket/missing.parquet"):
-        prepare_data(data_json=data_json)
+        prepare_data(config=DAPOConfig(train_data_path="memory://bucket/missing.parquet", val_data_path="memory://bucket/v.parquet"))
 
 
 def test_the_paper_preset_asks_for_its_data_before_any_work():
@@ -99,9 +96,9 @@ def test_the_paper_preset_asks_for_its_data_before_any_work():
 
     with pytest.raises(ConfigError, match="--train_data"):
         resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="")
-    config_json, _, _, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
-                                          train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
-    assert '"train_data_path": "s3://b/dapo.parquet"' in config_json
+    config, step_config, data_config, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
+                                                         train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
+    assert config.train_data_path == data_config.train_data_path == step_config.train_data_path == "s3://b/dapo.parquet"
 
 
 def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_algorithm():
@@ -109,12 +106,13 @@ def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_
     tags or pod settings; different for anything a step computes with."""
     from tasks.data import resolve_config
 
-    def step_json(total_steps: int, **overrides) -> str:
+    def step_config(total_steps: int, **overrides):
         return resolve_config(preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=total_steps, train_data="", val_data="")[1]
 
-    base = step_json(30)
-    assert step_json(35, val_every=1, extra={"team": "a"}, task_retries=3, gpu_accelerator="nvidia-h100") == base
-    assert step_json(30, clip_high=0.3) != base and step_json(30, seed=1) != base
+    base = step_config(30)
+    assert step_config(35, val_every=1, extra={"team": "a"}, task_retries=3, gpu_accelerator="nvidia-h100") == base
+    assert step_config(30, clip_high=0.3) != base and step_config(30, seed=1) != base
+    assert base.clip_high == 0.28 and base.n_samples_per_prompt == 8  # the tiny_cpu values, typed
 
 
 def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_it(tmp_path):
@@ -125,8 +123,8 @@ def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_i
 
     config = DAPOConfig.tiny_cpu().replace(trainer_shared_dir=str(tmp_path), shared_checkpoints_kept=2)
     other = config.replace(seed=7)
-    dirs = [step_output_dir(config, config.to_json(), step) for step in range(4)]
-    other_dir = step_output_dir(other, other.to_json(), 0)
+    dirs = [step_output_dir(config, step) for step in range(4)]
+    other_dir = step_output_dir(other, 0)
     run_dir = Path(dirs[0]).parent
     assert Path(other_dir).parent != run_dir and Path(other_dir).exists()
     assert sorted(p.name.split("-")[1] for p in run_dir.iterdir()) == ["3", "4"]

@@ -172,7 +172,7 @@ def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp
     monkeypatch.chdir(tmp_path)
     inputs = dict(preset="tiny_cpu", overrides_json='{"seed": 3}', total_steps=4, train_data="", val_data="",
                   mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow_experiment="dapo-test", model_name="m", steps_per_chunk=2)
-    target = RunTarget(inputs["mlflow_tracking_uri"], "dapo-test", run_key(resolve("tiny_cpu", '{"seed": 3}', 9, "", "").step_json()), "x")
+    target = RunTarget(inputs["mlflow_tracking_uri"], "dapo-test", run_key(resolve("tiny_cpu", '{"seed": 3}', 9, "", "")), "x")
     assert deliver(target, [metrics_record(1, {"acc": 0.5})]) == []
     end_failed_run(**inputs, err=FlyteError(message="pod OOMKilled", failed_node_id="n3"))
     client = client_for(target)

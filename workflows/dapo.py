@@ -32,6 +32,7 @@ On a cluster: pyflyte run --remote --copy all workflows/dapo.py dapo_loop --pres
 from __future__ import annotations
 
 import functools
+import json
 import typing
 
 import pyarrow as pa
@@ -42,7 +43,7 @@ from flytekit.types.directory import FlyteDirectory
 from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE
 from tasks.common import (
-    Checkpoint, bootstrap_settings, cpu_settings, load_config, registry_settings, rollout_settings, trainer_settings,
+    Checkpoint, bootstrap_settings, cpu_settings, registry_settings, rollout_settings, trainer_settings,
 )
 from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
@@ -55,24 +56,28 @@ DYNAMIC_POD = {"container_image": CPU_IMAGE, "requests": Resources(cpu="1", mem=
 """Where the dynamic workflows run: they only build the DAG of their nodes."""
 
 
-@functools.lru_cache(maxsize=8)
-def sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
+def sample_round_workflow(config: DAPOConfig) -> PythonFunctionWorkflow:
     """One generation round as a sub-workflow whose pods are shaped by the run's config:
     rollout and verify_rewards mapped over the shards (ArrayNodes: one rollout pod and
     one reward pod per shard), then filter_groups on all shards."""
-    config = load_config(config_json)
+    return _sample_round_workflow(config.to_json())
+
+
+@functools.lru_cache(maxsize=8)
+def _sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
+    config = DAPOConfig.from_dict(json.loads(config_json))
     rollout_pod, reward_pod, filter_pod = rollout_settings(config), cpu_settings(config, cpu=4, mem_gib=8), cpu_settings(config)
 
     def sample_round(
-        step_json: str, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
+        step_config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
         kept: typing.Optional[pa.Table], sampling_state: str,
     ) -> RoundResult:
-        responses = map_task(functools.partial(rollout, config_json=step_json, policy=policy, data=data, step=step,
+        responses = map_task(functools.partial(rollout, config=step_config, policy=policy, data=data, step=step,
                                                round_index=round_index))(shard=shards).with_overrides(**rollout_pod)
-        scored = map_task(functools.partial(verify_rewards, config_json=step_json, step=step))(responses=responses).with_overrides(
+        scored = map_task(functools.partial(verify_rewards, config=step_config, step=step))(responses=responses).with_overrides(
             **reward_pod
         )
-        return filter_groups(config_json=step_json, scored=scored, kept=kept, sampling_state=sampling_state).with_overrides(**filter_pod)
+        return filter_groups(config=step_config, scored=scored, kept=kept, sampling_state=sampling_state).with_overrides(**filter_pod)
 
     # One name whatever the config: the function is made here, not at module level.
     sample_round.__qualname__ = sample_round.__name__
@@ -87,45 +92,44 @@ def keep_round(batch: pa.Table, sampling_state: str, done: bool) -> RoundResult:
 
 
 def evaluate_and_register(
-    config: DAPOConfig, step_json: str, target_json: str, loop_state, policy, data, step: int, model_name: str
+    config: DAPOConfig, step_config: DAPOConfig, target_json: str, loop_state, policy, data, step: int, model_name: str
 ):
     """evaluate (a rollout-shaped pod) then register_model; returns the new loop state."""
-    eval_metrics, samples = evaluate(config_json=step_json, policy=policy, data=data, step=step).with_overrides(**rollout_settings(config))
+    eval_metrics, samples = evaluate(config=step_config, policy=policy, data=data, step=step).with_overrides(**rollout_settings(config))
     return register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=step, eval_metrics=eval_metrics,
                           samples=samples, model_name=model_name).with_overrides(**registry_settings(config))
 
 
 @dynamic(**DYNAMIC_POD)
 def train_chunk(
-    config_json: str, step_json: str, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
+    config: DAPOConfig, step_config: DAPOConfig, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
     first_step: int, last_step: int, model_name: str,
 ) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str)]):
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
     config's trainer shape (tasks.train.policy_step_for). The pods are shaped from the
     whole config; the tasks get the step config (their cache key)."""
-    config = load_config(config_json)
     shards = list(range(config.rollout_shards))
     policy_step = policy_step_for(config)
-    sample_round = sample_round_workflow(config_json)
+    sample_round = sample_round_workflow(config)
     for step in range(first_step, last_step):
         batch, sampling_state, done = sample_round(
-            step_json=step_json, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
+            step_config=step_config, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
         )
         for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
             batch, sampling_state, done = (
                 conditional(f"step_{step}_round_{round_index}")
                 .if_(done.is_false())
-                .then(sample_round(step_json=step_json, policy=policy, data=data, step=step, round_index=round_index,
+                .then(sample_round(step_config=step_config, policy=policy, data=data, step=step, round_index=round_index,
                                    shards=shards, kept=batch, sampling_state=sampling_state))
                 .else_()
                 .then(keep_round(batch=batch, sampling_state=sampling_state, done=done))
             )
-        policy, metrics = policy_step(config_json=step_json, policy=policy, batch=batch, sampling_state=sampling_state,
+        policy, metrics = policy_step(config=step_config, policy=policy, batch=batch, sampling_state=sampling_state,
                                       step=step).with_overrides(**trainer_settings(config))
-        loop_state = log_step(config_json=step_json, target_json=target_json, loop_state=loop_state, step=step + 1,
+        loop_state = log_step(config=step_config, target_json=target_json, loop_state=loop_state, step=step + 1,
                               step_metrics=metrics).with_overrides(**cpu_settings(config))
         if is_validation_step(step + 1, config.val_every, config.total_steps):
-            loop_state = evaluate_and_register(config, step_json, target_json, loop_state, policy, data, step + 1, model_name)
+            loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, step + 1, model_name)
     return policy, loop_state
 
 
@@ -136,15 +140,18 @@ def is_validation_step(step: int, val_every: int, total_steps: int) -> bool:
 
 @dynamic(**DYNAMIC_POD)
 def train(
-    config_json: str, step_json: str, policy_json: str, target_json: str, data: FlyteDirectory, loop_state: str, model_name: str, steps_per_chunk: int
+    config: DAPOConfig, step_config: DAPOConfig, policy_config: DAPOConfig, target_json: str, data: FlyteDirectory, loop_state: str,
+    model_name: str, steps_per_chunk: int,
 ) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
-    """The starting policy, its validation, then the step loop as a chain of chunks."""
-    config = load_config(config_json)
-    policy = bootstrap_policy(policy_json=policy_json).with_overrides(**bootstrap_settings(config))
-    loop_state = evaluate_and_register(config, step_json, target_json, loop_state, policy, data, 0, model_name)
+    """The starting policy, its validation, then the step loop as a chain of chunks.
+
+    config shapes the DAG and its pods; the tasks get step_config and policy_config
+    (resolve_config), which hold only the fields their outputs depend on."""
+    policy = bootstrap_policy(config=policy_config).with_overrides(**bootstrap_settings(config))
+    loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
     for first in range(0, config.total_steps, steps_per_chunk):
         policy, loop_state = train_chunk(
-            config_json=config_json, step_json=step_json, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
+            config=config, step_config=step_config, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
             first_step=first, last_step=min(first + steps_per_chunk, config.total_steps), model_name=model_name,
         )
     return policy, loop_state
@@ -174,13 +181,13 @@ def dapo_loop(
     Returns the final checkpoint and the run's summary (accuracies, champion version,
     MLflow run id); the run ends FINISHED, or FAILED if the execution fails.
     """
-    config_json, step_json, data_json, policy_json = resolve_config(
+    config, step_config, data_config, policy_config = resolve_config(
         preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data
     )
-    data, data_stats = prepare_data(data_json=data_json)
-    target_json, loop_state = start_tracking(config_json=step_json, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment,
+    data, data_stats = prepare_data(config=data_config)
+    target_json, loop_state = start_tracking(config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment,
                                              data_stats=data_stats)
-    final_policy, final_state = train(config_json=config_json, step_json=step_json, policy_json=policy_json, target_json=target_json,
+    final_policy, final_state = train(config=config, step_config=step_config, policy_config=policy_config, target_json=target_json,
                                       data=data, loop_state=loop_state, model_name=model_name, steps_per_chunk=steps_per_chunk)
-    summary = finish_tracking(config_json=config_json, target_json=target_json, loop_state=final_state, model_name=model_name)
+    summary = finish_tracking(config=config, target_json=target_json, loop_state=final_state, model_name=model_name)
     return final_policy, summary
