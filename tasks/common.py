@@ -25,7 +25,7 @@ from dapo.config import DAPOConfig
 # Bump a version when the task's code changes what it computes: cached results of the
 # old code are then not reused. One place, so a reviewer sees them all.
 CACHE_VERSIONS = {
-    "resolve_config": "2",  # 2: also the step config
+    "resolve_config": "3",  # 3: typed DAPOConfig outputs (the whole config and each task's part)
     "prepare_data": "1",
     "bootstrap_policy": "1",
     "rollout": "3",  # 3: tied-embedding reload fix

@@ -146,7 +146,7 @@ def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images()
     """rollout and verify_rewards are ArrayNodes over the shard list (of any length,
     rollout_shards at run time), their sub-tasks keep image, GPU, pod template and cache."""
     entities = OrderedDict()
-    spec = get_serializable(entities, SETTINGS, dapo_workflow.sample_round_workflow(DAPOConfig.tiny_cpu().to_json()))
+    spec = get_serializable(entities, SETTINGS, dapo_workflow.sample_round_workflow(DAPOConfig.tiny_cpu()))
     mapped = [n.array_node.node.task_node.reference_id.name for n in spec.template.nodes if n.array_node is not None]
     assert [name.split(".")[-1].split("_")[1] for name in mapped] == ["rollout", "verify"]
     assert spec.template.nodes[-1].task_node.reference_id.name == "tasks.rollout.filter_groups"
