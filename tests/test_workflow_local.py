@@ -1,12 +1,16 @@
-"""`pyflyte run workflows/dapo.py dapo_loop` for real, locally: a run, the run extended by a
-step (the rest replayed from the cache), and runs killed (SIGKILL) mid-update and
-mid-checkpoint that resume (mid-rollout, with the data in S3: test_s3_run)."""
+"""`pyflyte run workflows/dapo.py dapo_loop` for real, locally, with Flyte's raw outputs and
+MLflow's artifacts on an S3 server on loopback (moto, in its own process), as on a
+cluster: a run; the run extended by a step (the rest replayed from the cache); and one
+run killed (SIGKILL) mid-rollout, then mid-update, then mid-checkpoint, each resume
+going on from the store after the last completed step, nothing lost."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,28 +22,41 @@ SMALL = {
     "embedded_warm_start_steps": 120, "train_prompt_bsz": 4, "gen_prompt_bsz": 8, "ppo_mini_batch_size": 2,
     "max_num_gen_batches": 2, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 16,
 }
+BUCKET = "dapo"
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 
-def pyflyte_run(
-    home: Path, *args: str, crash_at: str = "", seed: int = 0, timeout: int = 900, run_options: tuple[str, ...] = (), env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """pyflyte run [run_options] workflows/dapo.py dapo_loop [args], its Flyte cache and MLflow under home."""
+def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+    """pyflyte run --raw-output-data-prefix s3://dapo/raw workflows/dapo.py dapo_loop [args]:
+    its Flyte cache and MLflow's database under home, its data in the S3 server at s3."""
     env = {
         **os.environ,
-        **(env or {}),
-        "HOME": str(home),  # flytekit's local cache lives under ~/.flyte: one per test
+        "HOME": str(home),  # flytekit's local cache lives under ~/.flyte: one per module
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
         "PYTHONUNBUFFERED": "1",
+        "FLYTE_AWS_ENDPOINT": s3, "FLYTE_AWS_ACCESS_KEY_ID": "test", "FLYTE_AWS_SECRET_ACCESS_KEY": "test",
+        "MLFLOW_S3_ENDPOINT_URL": s3, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
     }
     env.pop("DAPO_CRASH_AT", None)
     if crash_at:
         env["DAPO_CRASH_AT"] = crash_at
     overrides = json.dumps({**SMALL, "seed": seed})
-    command = [str(PYFLYTE), "run", *run_options, "workflows/dapo.py", "dapo_loop", "--overrides_json", overrides, *args]
+    command = [str(PYFLYTE), "run", "--raw-output-data-prefix", f"s3://{BUCKET}/raw", "workflows/dapo.py", "dapo_loop",
+               "--overrides_json", overrides, *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+
+
+def s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
+
+
+def keys(endpoint: str, prefix: str) -> list[str]:
+    pages = s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
 def step_lines(output: str) -> list[str]:
@@ -47,26 +64,54 @@ def step_lines(output: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One local Flyte cache for the module: data and the starting policy are built once."""
-    return tmp_path_factory.mktemp("home")
+def s3(tmp_path_factory):
+    """moto's S3 server in a process of its own (in this one its Flask app would leave
+    context-bound proxies in sys.modules, which vLLM's kernel registry trips over)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = (tmp_path_factory.mktemp("moto") / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                s3_client(endpoint).create_bucket(Bucket=BUCKET)
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"moto's S3 server did not start on {endpoint}")
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
 
 
 @pytest.fixture(scope="module")
-def first_run(home):
-    result = pyflyte_run(home, "--total_steps", "2", "--model_name", "e2e-policy")
+def home(tmp_path_factory):
+    """One local Flyte cache and MLflow database for the module (data and the starting
+    policy are built once); MLflow's artifacts go to S3, as with a server whose artifact
+    root is a bucket."""
+    home = tmp_path_factory.mktemp("home")
+    mlflow_client(home).create_experiment("dapo", artifact_location=f"s3://{BUCKET}/mlflow")
+    return home
+
+
+@pytest.fixture(scope="module")
+def first_run(home, s3):
+    result = pyflyte_run(home, s3, "--total_steps", "2", "--model_name", "e2e-policy")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
 
-def test_local_run_completes_logs_steps_and_registers(first_run, home):
+def test_local_run_completes_logs_steps_and_registers_servable_versions_in_s3(first_run, home, s3):
     result = first_run
     lines = step_lines(result.stdout)
     assert any(line.startswith("step    0 |") for line in lines)  # validation of the starting policy
     assert any(line.startswith("step    2 |") for line in lines)
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}", registry_uri=f"sqlite:///{home / 'mlflow.db'}")
+    client = mlflow_client(home)
     versions = client.search_model_versions("name = 'e2e-policy'")
     assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2]
     assert client.get_model_version_by_alias("e2e-policy", "newest").tags["step"] == "2"
@@ -75,6 +120,16 @@ def test_local_run_completes_logs_steps_and_registers(first_run, home):
     run = client.search_runs([client.get_experiment_by_name("dapo").experiment_id])[0]
     assert run.data.params["clip_high"] == "0.28"
     assert {"actor/entropy", "sampling/kept_ratio", "val/acc", "rollout/tokens_per_s"} <= set(run.data.metrics)
+    raw = keys(s3, "raw/")
+    checkpoints = {key.rsplit("/", 1)[0] for key in raw if key.endswith("/model.safetensors")}
+    assert len(checkpoints) >= 3 and any("/trainer_state/" in key for key in raw)  # steps 0-2, with their trainer state
+    registered = keys(s3, "mlflow/")
+    assert {key.split("/checkpoints/")[1].split("/")[0] for key in registered if "/checkpoints/" in key} == {
+        "step_000000", "step_000001", "step_000002"
+    }
+    assert any(key.endswith("/model.safetensors") for key in registered)
+    assert not any("trainer_state" in key for key in registered)  # a version holds the servable files only
+    assert all(v.source.startswith(f"s3://{BUCKET}/mlflow/") for v in versions)
 
 
 def mlflow_client(home: Path):
@@ -83,10 +138,10 @@ def mlflow_client(home: Path):
     return MlflowClient(f"sqlite:///{home / 'mlflow.db'}", registry_uri=f"sqlite:///{home / 'mlflow.db'}")
 
 
-def test_extending_a_run_computes_only_the_new_steps_in_the_same_mlflow_run(first_run, home):
+def test_extending_a_run_computes_only_the_new_steps_in_the_same_mlflow_run(first_run, home, s3):
     """2 steps, then 3: the one new step runs (its step and validation lines), steps 1-2 come
     from the cache, and the one MLflow run of the config goes on and ends FINISHED."""
-    longer = pyflyte_run(home, "--total_steps", "3", "--model_name", "e2e-policy")
+    longer = pyflyte_run(home, s3, "--total_steps", "3", "--model_name", "e2e-policy")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert {line.split("|")[0] for line in step_lines(longer.stdout)} == {"step    3 "}, step_lines(longer.stdout)
     client = mlflow_client(home)
@@ -97,7 +152,6 @@ def test_extending_a_run_computes_only_the_new_steps_in_the_same_mlflow_run(firs
     assert run.data.tags["dapo.total_steps"] == "3"
     versions = client.search_model_versions("name = 'e2e-policy'")
     assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2, 3]  # none registered twice
-    assert all("trainer_state" not in str(path) for path in Path(client.download_artifacts(run.info.run_id, "checkpoints")).rglob("*"))
     assert "final_step=3" in longer.stdout.replace(" ", ""), longer.stdout[-2000:]
 
 
@@ -116,17 +170,16 @@ def test_node_outputs_do_not_grow_with_the_run(first_run, home):
     assert len(sizes) > 20 and max(sizes)[0] < 64 * 1024, sorted(sizes)[-5:]
 
 
-@pytest.mark.parametrize("seed, point", [(2, "policy_step"), (3, "checkpoint_commit")])  # rollout: test_s3_run
-def test_killed_run_resumes_after_the_last_completed_step(first_run, home, seed, point):
-    """Another seed per case: the shared data and starting policy come from the cache, the steps do not."""
-    killed = pyflyte_run(home, "--total_steps", "2", crash_at=f"{point}@1", seed=seed)
-    assert killed.returncode == -signal.SIGKILL
-    done_before_kill = step_lines(killed.stdout)
-    assert any(line.startswith("step    1 |") for line in done_before_kill)  # step index 0 finished
-    assert not any(line.startswith("step    2 |") for line in done_before_kill)
-
-    resumed = pyflyte_run(home, "--total_steps", "2", seed=seed)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    lines = step_lines(resumed.stdout)
-    assert not any(line.startswith("step    1 |") for line in lines), "step 1 must come from the cache"
-    assert any(line.startswith("step    2 |") for line in lines)
+def test_a_run_killed_three_times_resumes_each_time_after_its_last_completed_step(first_run, home, s3):
+    """Killed in the rollout of step 2, the update of step 3, the checkpoint write of step 4:
+    each re-run replays the finished steps from the cache (their outputs read back from S3)
+    and runs only the rest. Another seed than first_run: the data and starting policy come
+    from the cache, the steps do not."""
+    # (DAPO_CRASH_AT, the step lines the run prints: "step N" ends step index N-1)
+    runs = [("rollout@1", {0, 1}), ("policy_step@2", {2}), ("checkpoint_commit@3", {3}), ("", {4})]
+    for crash_at, printed in runs:
+        run = pyflyte_run(home, s3, "--total_steps", "4", "--model_name", "kill-policy", crash_at=crash_at, seed=1)
+        assert run.returncode == (-signal.SIGKILL if crash_at else 0), (crash_at, run.stderr[-3000:])
+        assert {int(line.split("|")[0].split()[1]) for line in step_lines(run.stdout)} == printed, (crash_at, step_lines(run.stdout))
+    versions = mlflow_client(home).search_model_versions("name = 'kill-policy'")
+    assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2, 3, 4]  # each registered once
