@@ -239,6 +239,9 @@ class Propeller:
             args = [a.replace("{{.%s}}" % key, str(value)) for a in args]
         python = Path(self.python_for(template))
         env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8",
+               # DeepSpeed's JIT ops are keyed by their source path: one cache per image venv, or
+               # the main venv's and the images' builds evict each other (~40 s a rebuild)
+               "TORCH_EXTENSIONS_DIR": str(python.parent.parent / "torch_extensions"),
                **self.image_env.get(template.container.image, {}), **self.env, **{e.key: e.value for e in template.container.env},
                "FLYTE_INTERNAL_EXECUTION_PROJECT": EXECUTION["project"], "FLYTE_INTERNAL_EXECUTION_DOMAIN": EXECUTION["domain"],
                "FLYTE_INTERNAL_EXECUTION_ID": EXECUTION["name"], "FLYTE_INTERNAL_TASK_PROJECT": template.id.project,

@@ -179,7 +179,7 @@ def test_a_run_killed_three_times_resumes_each_time_after_its_last_completed_ste
     runs = [("rollout@1", {0, 1}), ("policy_step@2", {2}), ("checkpoint_commit@3", {3}), ("", {4})]
     for crash_at, printed in runs:
         run = pyflyte_run(home, s3, "--total_steps", "4", "--model_name", "kill-policy", crash_at=crash_at, seed=1)
-        assert run.returncode == (-signal.SIGKILL if crash_at else 0), (crash_at, run.stderr[-3000:])
+        assert run.returncode == (-signal.SIGKILL if crash_at else 0), (crash_at, run.stdout[-4000:], run.stderr[-3000:])
         assert {int(line.split("|")[0].split()[1]) for line in step_lines(run.stdout)} == printed, (crash_at, step_lines(run.stdout))
     versions = mlflow_client(home).search_model_versions("name = 'kill-policy'")
     assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2, 3, 4]  # each registered once
