@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,6 +210,22 @@ class Tracker:
             # Best accuracy; the later step wins a tie (it trained longer for the same score).
             best = max(scored, key=lambda v: (float(v.tags["val_acc"]), int(v.tags.get("step", 0))))
             self.client.set_registered_model_alias(name, CHAMPION_ALIAS, best.version)
+
+
+# What Kubernetes and Flyte say when something outside the code stopped a pod: the OOM
+# killer, SIGKILL/SIGTERM (exit codes 137/143), a preempted node ("Interrupted"), eviction,
+# an expired task timeout, an abort.
+KILLED_PATTERN = re.compile(
+    r"OOMKilled|exit code \(?(137|143)\)?|SIGKILL|SIGTERM|\bInterrupted\b|preempt|\bevicted\b|timeout.*expired|\baborted\b",
+    re.IGNORECASE,
+)
+
+
+def ended_status(error_message: str) -> str:
+    """MLflow's status for a run whose execution ended with this error: KILLED when the
+    execution was stopped from outside (resuming it as it is may succeed), FAILED when
+    the code or its input failed (something needs fixing first)."""
+    return "KILLED" if KILLED_PATTERN.search(error_message) else "FAILED"
 
 
 def end_run(target: RunTarget, status: str, tags: dict[str, str] | None = None) -> str:

@@ -196,8 +196,11 @@ def end_failed_run(
     preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
     mlflow_experiment: str, model_name: str, steps_per_chunk: int, err: typing.Optional[FlyteError] = None,
 ) -> None:
-    """dapo_loop's failure handler: the run's MLflow run (if it was started) ends FAILED,
-    with the error as a tag, instead of staying RUNNING forever."""
+    """dapo_loop's failure handler: the run's MLflow run (if it was started) ends KILLED or
+    FAILED (tracking.ended_status), with the error as a tag, instead of staying RUNNING.
+
+    Flyte runs no failure handler for an execution aborted by hand (or whose process
+    dies): its run stays RUNNING until the next execution of the config goes on with it."""
     try:
         config = resolve(preset, overrides_json, total_steps, train_data, val_data)
     except Exception as error:  # the config itself was the failure: no run was started
@@ -206,5 +209,6 @@ def end_failed_run(
     target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config), "")
     message = (err.message if err else "unknown error")[:4000]
     tags = {**run_tags(config), "flyte.error": message, "flyte.failed_node": err.failed_node_id if err else ""}
-    if tracking.end_run(target, "FAILED", tags):
-        logger.warning("MLflow run of %s marked FAILED", mlflow_experiment)
+    status = tracking.ended_status(message)
+    if tracking.end_run(target, status, tags):
+        logger.warning("MLflow run of %s marked %s", mlflow_experiment, status)

@@ -160,9 +160,21 @@ def test_credentials_in_the_uri_are_refused(monkeypatch):
         tracking.default_tracking_uri()
 
 
+@pytest.mark.parametrize("message, status", [
+    ("[1/1] currentAttempt done. Last Error: USER::Pod failed. [primary] terminated with exit code (137). Reason [OOMKilled].", "KILLED"),
+    ("[1/1] currentAttempt done. Last Error: SYSTEM::Interrupted: the node was preempted", "KILLED"),
+    ("task active timeout [2h0m0s] expired", "KILLED"),
+    ("USER::ValueError: train_data row 17 has no 'answer' field", "FAILED"),
+    ("RuntimeError: 3 consecutive bad steps (NaN loss)", "FAILED"),
+])
+def test_an_execution_stopped_from_outside_ends_killed_one_that_failed_ends_failed(message, status):
+    assert tracking.ended_status(message) == status
+
+
 def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp_path, monkeypatch):
-    """dapo_loop's failure handler finds the run by its step config's key and ends it FAILED
-    with the error; the next delivery (a resumed execution) sets it RUNNING again."""
+    """dapo_loop's failure handler finds the run by its step config's key and ends it KILLED
+    (the pod was OOM-killed) with the error; the next delivery (a resumed execution) sets
+    it RUNNING again."""
     from flytekit.types.error import FlyteError
 
     from tasks.common import run_key
@@ -177,7 +189,9 @@ def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp
     end_failed_run(**inputs, err=FlyteError(message="pod OOMKilled", failed_node_id="n3"))
     client = client_for(target)
     run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
-    assert run.info.status == "FAILED" and run.data.tags["flyte.error"] == "pod OOMKilled"
+    assert run.info.status == "KILLED" and run.data.tags["flyte.error"] == "pod OOMKilled"
+    end_failed_run(**inputs, err=FlyteError(message="ValueError: bad row", failed_node_id="n1"))
+    assert client.get_run(run.info.run_id).info.status == "FAILED"
     assert deliver(target, [metrics_record(2, {"acc": 0.6})]) == []
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
 
