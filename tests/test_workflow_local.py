@@ -2,7 +2,8 @@
 MLflow's artifacts on an S3 server on loopback (moto, in its own process), as on a
 cluster: a run; the run extended by a step (the rest replayed from the cache); and one
 run killed (SIGKILL) mid-rollout, then mid-update, then mid-checkpoint, each resume
-going on from the store after the last completed step, nothing lost."""
+going on from the store after the last completed step, ending with the weights of the
+run that was not killed."""
 
 import json
 import os
@@ -38,6 +39,7 @@ def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int =
         "PYTHONUNBUFFERED": "1",
         "FLYTE_AWS_ENDPOINT": s3, "FLYTE_AWS_ACCESS_KEY_ID": "test", "FLYTE_AWS_SECRET_ACCESS_KEY": "test",
         "MLFLOW_S3_ENDPOINT_URL": s3, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+        "FLYTE_SDK_RICH_TRACEBACKS": "0",  # a failing run's traceback as plain text in its output
     }
     env.pop("DAPO_CRASH_AT", None)
     if crash_at:
@@ -89,14 +91,18 @@ def s3(tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One local Flyte cache and MLflow database for the module (data and the starting
-    policy are built once); MLflow's artifacts go to S3, as with a server whose artifact
-    root is a bucket."""
+def new_home(tmp_path_factory) -> Path:
+    """A local Flyte cache and MLflow database; MLflow's artifacts go to S3, as with a
+    server whose artifact root is a bucket."""
     home = tmp_path_factory.mktemp("home")
     mlflow_client(home).create_experiment("dapo", artifact_location=f"s3://{BUCKET}/mlflow")
     return home
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """The cache shared by the first run and its extension (data and the starting policy are built once)."""
+    return new_home(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +176,30 @@ def test_node_outputs_do_not_grow_with_the_run(first_run, home):
     assert len(sizes) > 20 and max(sizes)[0] < 64 * 1024, sorted(sizes)[-5:]
 
 
-def test_a_run_killed_three_times_resumes_each_time_after_its_last_completed_step(first_run, home, s3):
-    """Killed in the rollout of step 2, the update of step 3, the checkpoint write of step 4:
-    each re-run replays the finished steps from the cache (their outputs read back from S3)
-    and runs only the rest. Another seed than first_run: the data and starting policy come
-    from the cache, the steps do not."""
-    # (DAPO_CRASH_AT, the step lines the run prints: "step N" ends step index N-1)
-    runs = [("rollout@1", {0, 1}), ("policy_step@2", {2}), ("checkpoint_commit@3", {3}), ("", {4})]
+def test_a_run_killed_three_times_resumes_each_time_and_ends_with_the_uninterrupted_weights(first_run, home, s3, tmp_path_factory):
+    """first_run again in a cache of its own, killed in the rollout of its second step, then
+    in that step's update, then while writing its checkpoint: each re-run replays what
+    finished from the cache (its outputs read back from S3) and runs only the rest, and the
+    last one ends with first_run's final weights, bit for bit."""
+    killed_home = new_home(tmp_path_factory)
+    # (DAPO_CRASH_AT, the step lines the run prints: "step 0" validates the starting policy,
+    # "step N" ends step index N-1)
+    runs = [("rollout@1", {0, 1}), ("policy_step@1", set()), ("checkpoint_commit@1", set()), ("", {2})]
     for crash_at, printed in runs:
-        run = pyflyte_run(home, s3, "--total_steps", "4", "--model_name", "kill-policy", crash_at=crash_at, seed=1)
-        assert run.returncode == (-signal.SIGKILL if crash_at else 0), (crash_at, run.stdout[-4000:], run.stderr[-3000:])
+        run = pyflyte_run(killed_home, s3, "--total_steps", "2", "--model_name", "kill-policy", crash_at=crash_at)
+        if run.returncode != (-signal.SIGKILL if crash_at else 0):
+            pytest.fail(f"DAPO_CRASH_AT={crash_at!r}: exit {run.returncode}\n{run.stdout[-12000:]}\n{run.stderr[-6000:]}")
         assert {int(line.split("|")[0].split()[1]) for line in step_lines(run.stdout)} == printed, (crash_at, step_lines(run.stdout))
-    versions = mlflow_client(home).search_model_versions("name = 'kill-policy'")
-    assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2, 3, 4]  # each registered once
+    killed = {int(v.tags["step"]): v for v in mlflow_client(killed_home).search_model_versions("name = 'kill-policy'")}
+    assert sorted(killed) == [0, 1, 2]  # each registered once
+    uninterrupted = {int(v.tags["step"]): v for v in mlflow_client(home).search_model_versions("name = 'e2e-policy'")}
+    assert weights_digest(s3, killed[2].source) == weights_digest(s3, uninterrupted[2].source)
+
+
+def weights_digest(s3: str, source: str) -> str:
+    """sha256 of the model.safetensors of a registered version (its source: s3://bucket/key)."""
+    import hashlib
+
+    bucket, key = source.removeprefix("s3://").split("/", 1)
+    body = s3_client(s3).get_object(Bucket=bucket, Key=f"{key}/model.safetensors")["Body"].read()
+    return hashlib.sha256(body).hexdigest()
