@@ -388,7 +388,8 @@ def policy_step(
     the metrics reach MLflow. Metrics guard/threshold, guard/rollout_logprob_gap (the
     first batch's gap), guard/regenerated and guard/stopped are always returned.
     """
-    from dapo.trainer import RolloutGapExceeded, launcher_rank, make_trainer, policy_update
+    from dapo.trainer import launcher_rank, make_trainer
+    from dapo.update import RolloutGapExceeded, policy_update
 
     group_ids = batch.column("group_id").to_pylist()
     groups = len(set(group_ids))

@@ -1,4 +1,4 @@
-"""The DAPO policy step (dapo.trainer): exact accumulation, direction, masking, resume, refusal.
+"""The DAPO policy step (dapo.update on the dapo.trainer backends): exact accumulation, direction, masking, resume, refusal.
 
 The DeepSpeed tests (marker ``deepspeed``) run one process with DS_ACCELERATOR=cpu;
 the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached after).
@@ -18,15 +18,8 @@ from dapo import checkpoint
 from dapo.batch import SCORED_SCHEMA, collate, response_log_probs
 from dapo.config import DAPOConfig
 from dapo.policy import TinyPolicySpec, build_tiny_policy
-from dapo.trainer import (
-    STATE_DIR,
-    lr_at,
-    make_trainer,
-    minibatch_backward,
-    policy_update,
-    prepare_step,
-    trim_batch,
-)
+from dapo.trainer import STATE_DIR, make_trainer, prune_step_dirs, trim_batch
+from dapo.update import lr_at, minibatch_backward, policy_update, prepare_step
 
 G = 4
 
@@ -382,8 +375,6 @@ def test_deepspeed_nonfinite_loss_refuses_the_update(policy_dir):
 
 def test_prune_step_dirs_keeps_the_newest_steps_of_the_run(tmp_path):
     import os
-
-    from dapo.trainer import prune_step_dirs
 
     for name, mtime in (("policy-2-aa", 1), ("policy-10-bb", 2), ("policy-3-cc", 3), ("policy-10-dd", 4), ("other", 0)):
         (tmp_path / name).mkdir()

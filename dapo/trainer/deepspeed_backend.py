@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from dapo.config import DAPOConfig
-from dapo.trainer import STATE_DIR, PolicyTrainer
+from dapo.trainer.base import STATE_DIR, PolicyTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dapo.config import DAPOConfig
-from dapo.trainer import STATE_DIR, PolicyTrainer
+from dapo.trainer.base import STATE_DIR, PolicyTrainer
 
 logger = logging.getLogger(__name__)
 
