@@ -82,6 +82,12 @@ def scored_table(groups: int = 4, seed: int = 0, truncated_every: int = 0, rewar
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
 
 
+def weights_of(trainer) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of the HF model's parameters (whole on every rank: these tests use ZeRO 0-2, not 3)."""
+    model = trainer.engine.module if trainer.backend_name == "deepspeed" else trainer.model
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
 def grads_of(trainer) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
 
@@ -211,12 +217,12 @@ def run_nonfinite(config, policy_dir):
     table = scored_table(groups=2, rewards=rewards)
     trainer = make_trainer(config, policy_dir)
     try:
-        before = trainer.named_weights()
+        before = weights_of(trainer)
         all_bad = scored_table(groups=2, rewards=[float("nan")] * (2 * G))
         refused = policy_update(trainer, all_bad, config, step=0, temperature=1.0)
-        unchanged = trainer.named_weights()
+        unchanged = weights_of(trainer)
         partial = policy_update(trainer, table, config.replace(ppo_mini_batch_size=1), step=1, temperature=1.0)
-        changed = trainer.named_weights()
+        changed = weights_of(trainer)
     finally:
         trainer.close()
     return before, refused, unchanged, partial, changed
@@ -243,16 +249,16 @@ def two_steps_and_resume(config, policy_dir, tmp_path):
     try:
         first = policy_update(trainer, tables[0], config, step=0, temperature=1.0)
         trainer.save(ckpt)
-        after_first = trainer.named_weights()
+        after_first = weights_of(trainer)
         policy_update(trainer, tables[1], config, step=1, temperature=1.0)
-        continuous = trainer.named_weights()
+        continuous = weights_of(trainer)
     finally:
         trainer.close()
     resumed_trainer = make_trainer(config, ckpt)
     try:
         assert resumed_trainer.resumed and resumed_trainer.state.next_step == 1
         policy_update(resumed_trainer, tables[1], config, step=1, temperature=1.0)
-        resumed = resumed_trainer.named_weights()
+        resumed = weights_of(resumed_trainer)
     finally:
         resumed_trainer.close()
     return continuous, resumed, first, after_first, ckpt, tables
@@ -286,7 +292,7 @@ def test_torch_backend_resumes_exactly_and_saves_an_hf_checkpoint(policy_dir, tm
     try:
         assert not trainer.resumed
         policy_update(trainer, tables[1], config, step=1, temperature=1.0)
-        assert max_diff(continuous, trainer.named_weights()) > 1e-5
+        assert max_diff(continuous, weights_of(trainer)) > 1e-5
     finally:
         trainer.close()
 
@@ -315,7 +321,7 @@ def deepspeed_run(policy_dir, tmp_path_factory):
     trainer = make_trainer(reference, policy_dir)
     try:
         torch_first = policy_update(trainer, tables[0], reference, step=0, temperature=1.0)
-        torch_after_first = trainer.named_weights()
+        torch_after_first = weights_of(trainer)
     finally:
         trainer.close()
     return dict(continuous=continuous, resumed=resumed, first=first, after_first=after_first, ckpt=ckpt,

@@ -163,10 +163,6 @@ class PolicyTrainer(ABC):
     def set_lr(self, lr: float) -> None: ...
 
     @abstractmethod
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full fp32 CPU copies of the parameters (gathered where sharded); for tests and tools."""
-
-    @abstractmethod
     def _save_weights(self, out_dir: str) -> None:
         """Write config.json, generation_config.json and safetensors weights (rank 0 writes)."""
 

@@ -88,9 +88,6 @@ class TorchTrainer(PolicyTrainer):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
-
     def _save_weights(self, out_dir: str) -> None:
         self.model.save_pretrained(out_dir, safe_serialization=True)
 
