@@ -100,11 +100,12 @@ def instrument(timer: ExclusiveTimer) -> None:
     from flytekit.core import base_task, python_function_task, workflow
 
     import dapo.trainer
+    import dapo.update
     from dapo import checkpoint, pipeline, report, rollout, tracking
     from dapo.rollout.base import RolloutEngine
 
     timer.wrap(RolloutEngine, "generate", COMPUTE, "rollout generation")
-    timer.wrap(dapo.trainer, "policy_update", COMPUTE, "policy update (old log-probs, forward, backward, optimizer)")
+    timer.wrap(dapo.update, "policy_update", COMPUTE, "policy update (old log-probs, forward, backward, optimizer)")
     timer.wrap(pipeline, "verify_rewards", ALGORITHM, "reward verification")
     timer.wrap(pipeline, "filter_groups", ALGORITHM, "dynamic-sampling filter")
     timer.wrap(dapo.trainer, "make_trainer", "checkpoints", "trainer start (weights, optimizer state, DeepSpeed init)")

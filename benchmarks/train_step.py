@@ -61,7 +61,8 @@ def worker(args) -> None:
     import torch
 
     from dapo.config import DAPOConfig
-    from dapo.trainer import make_trainer, policy_update
+    from dapo.trainer import make_trainer
+    from dapo.update import policy_update
 
     if args.threads:
         torch.set_num_threads(args.threads)

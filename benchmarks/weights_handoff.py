@@ -64,7 +64,8 @@ def measure(name: str, work: Path) -> dict:
     from dapo.config import DAPOConfig
     from dapo.policy import TinyPolicySpec, build_tiny_policy
     from dapo.rollout import make_rollout_engine
-    from dapo.trainer import make_trainer, policy_update
+    from dapo.trainer import make_trainer
+    from dapo.update import policy_update
 
     hidden, layers, intermediate, heads = SIZES[name]
     source = work / f"{name}-source"

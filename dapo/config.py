@@ -300,7 +300,7 @@ class DAPOConfig:
     def checkpoint_bytes(self) -> float:
         """Bytes of a whole training checkpoint: the weights, Adam's fp32 master weights,
         first and second moments (12 bytes a parameter), and the module weights again in
-        DeepSpeed's state (16 bytes a parameter in bf16; measured ratio in DESIGN.md)."""
+        DeepSpeed's state (16 bytes a parameter in bf16; measured in benchmarks/RESULTS.md, section 4)."""
         return self.model_size_billions * 1e9 * (2 * DTYPE_BYTES[self.dtype] + 12)
 
     def to_dict(self) -> dict[str, Any]:

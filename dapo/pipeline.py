@@ -9,13 +9,11 @@ randomness from (config.seed, step, round) so that a re-run reproduces it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,7 +26,7 @@ from dapo.config import DAPOConfig
 from dapo.data import VERL_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
 from dapo.faults import crash_point
 from dapo.rewards import format_reward_weight, score_response
-from dapo.sampling import informative_groups
+from dapo.sampling import SamplingState, informative_groups
 
 logger = logging.getLogger(__name__)
 
@@ -216,25 +214,6 @@ def verify_rewards(config: DAPOConfig, table: pa.Table, step: int) -> pa.Table:
     return table
 
 
-@dataclass
-class SamplingState:
-    """Progress of one step's dynamic sampling (carried between filter_groups calls)."""
-
-    rounds: int = 0
-    generated_groups: int = 0
-    kept_groups: int = 0
-    done: bool = False
-    rollout_tokens: float = 0.0
-    rollout_seconds: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "SamplingState":
-        return cls(**json.loads(text)) if text else cls()
-
-
 def filter_groups(
     config: DAPOConfig, scored: pa.Table, kept: pa.Table | None, state: SamplingState, rollout_metrics: dict[str, float] | None = None
 ) -> tuple[pa.Table, SamplingState]:
@@ -251,16 +230,11 @@ def filter_groups(
     mask = pa.array([g in keep_set for g in group_ids], type=pa.bool_())
     round_kept = scored.filter(mask)
     batch = round_kept if kept is None or kept.num_rows == 0 else pa.concat_tables([kept, round_kept])
-    state = SamplingState(
-        rounds=state.rounds + 1,
-        generated_groups=state.generated_groups + len(all_groups),
-        kept_groups=state.kept_groups + len(keep_ids),
-        rollout_tokens=state.rollout_tokens + rollout_metrics.get("rollout/tokens", 0.0),
-        rollout_seconds=state.rollout_seconds + rollout_metrics.get("rollout/seconds", 0.0),
+    state = state.after_round(
+        len(all_groups), len(keep_ids), target_groups=config.train_prompt_bsz,
+        max_rounds=config.max_num_gen_batches if config.dynamic_sampling else 1,  # without dynamic sampling one round is the batch
+        rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0), rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
     )
-    full = state.kept_groups >= config.train_prompt_bsz
-    out_of_rounds = not config.dynamic_sampling or (config.max_num_gen_batches > 0 and state.rounds >= config.max_num_gen_batches)
-    state.done = full or out_of_rounds
     if state.done:
         batch = first_groups(batch, config.train_prompt_bsz)
     return batch, state
@@ -388,7 +362,8 @@ def policy_step(
     the metrics reach MLflow. Metrics guard/threshold, guard/rollout_logprob_gap (the
     first batch's gap), guard/regenerated and guard/stopped are always returned.
     """
-    from dapo.trainer import RolloutGapExceeded, launcher_rank, make_trainer, policy_update
+    from dapo.trainer import launcher_rank, make_trainer
+    from dapo.update import RolloutGapExceeded, policy_update
 
     group_ids = batch.column("group_id").to_pylist()
     groups = len(set(group_ids))
@@ -398,7 +373,7 @@ def policy_step(
         # groups with a non-zero advantage somewhere, whether or not dynamic sampling ran
         "sampling/informative_groups": float(len(informative_groups(batch.column("reward").to_pylist(), group_ids))),
         "sampling/rounds": float(state.rounds),
-        "sampling/kept_ratio": state.kept_groups / state.generated_groups if state.generated_groups else 0.0,
+        "sampling/kept_ratio": state.kept_ratio,
         "rollout/tokens": state.rollout_tokens,
         "rollout/seconds": state.rollout_seconds,
         "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,

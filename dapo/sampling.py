@@ -2,13 +2,16 @@
 
 A group whose G rewards are all equal has zero advantage everywhere and so no
 gradient. Such groups are dropped, and generation rounds are repeated until the
-batch holds enough informative groups.
+batch holds enough informative groups (``SamplingState`` counts them) or the round
+budget is spent.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,47 +38,46 @@ def informative_groups(
 
 
 @dataclass
-class GroupBatchAccumulator:
-    """Collects informative groups over generation rounds for one policy step.
+class SamplingState:
+    """Progress of one step's dynamic sampling, carried from round to round (as JSON
+    between the filter_groups tasks)."""
 
-    Args:
-        target_groups: train_prompt_bsz, the groups one step trains on.
-        max_rounds: max_num_gen_batches; 0 = no limit.
-    Group ids must be unique across rounds (e.g. "<round>-<prompt uid>").
-    """
-
-    target_groups: int
-    max_rounds: int
-    kept: list[Hashable] = field(default_factory=list)
     rounds: int = 0
     generated_groups: int = 0
+    kept_groups: int = 0
+    done: bool = False
+    """Stop generating: the batch is full or the round budget is spent."""
+    rollout_tokens: float = 0.0
+    rollout_seconds: float = 0.0
 
-    def add_round(self, rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> list[Hashable]:
-        """Filter one round's groups; returns (and keeps) the informative ones."""
-        kept_now = informative_groups(rewards, group_ids)
-        self.rounds += 1
-        self.generated_groups += len(dict.fromkeys(group_ids))
-        self.kept.extend(kept_now)
-        return kept_now
+    def after_round(
+        self, generated_groups: int, kept_groups: int, *, target_groups: int, max_rounds: int,
+        rollout_tokens: float = 0.0, rollout_seconds: float = 0.0,
+    ) -> "SamplingState":
+        """The state after one more round that generated and kept the given numbers of groups.
 
-    @property
-    def is_full(self) -> bool:
-        return len(self.kept) >= self.target_groups
-
-    @property
-    def out_of_rounds(self) -> bool:
-        return self.max_rounds > 0 and self.rounds >= self.max_rounds
-
-    @property
-    def done(self) -> bool:
-        """Stop generating: the batch is full or the round budget is spent."""
-        return self.is_full or self.out_of_rounds
-
-    def selected(self) -> list[Hashable]:
-        """The groups to train on: the first target_groups kept (fewer if short)."""
-        return self.kept[: self.target_groups]
+        done when kept_groups >= target_groups (train_prompt_bsz) or when
+        rounds >= max_rounds > 0 (max_num_gen_batches; 0 = no limit).
+        """
+        rounds = self.rounds + 1
+        kept = self.kept_groups + kept_groups
+        return SamplingState(
+            rounds=rounds,
+            generated_groups=self.generated_groups + generated_groups,
+            kept_groups=kept,
+            done=kept >= target_groups or (max_rounds > 0 and rounds >= max_rounds),
+            rollout_tokens=self.rollout_tokens + rollout_tokens,
+            rollout_seconds=self.rollout_seconds + rollout_seconds,
+        )
 
     @property
     def kept_ratio(self) -> float:
-        """Informative groups / generated groups over all rounds so far."""
-        return len(self.kept) / self.generated_groups if self.generated_groups else 0.0
+        """Kept groups / generated groups over all rounds so far (0 before any)."""
+        return self.kept_groups / self.generated_groups if self.generated_groups else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SamplingState":
+        return cls(**json.loads(text)) if text else cls()

@@ -5,7 +5,8 @@ step, a table of sample completions, a checkpoint to register). `deliver` sends
 records to MLflow and returns the ones it could not send; the pipeline carries
 those forward (as a task output, so they survive pod restarts) and hands them to
 the next delivery. An unreachable server therefore delays records, with a
-warning, and loses none.
+warning, and loses none; only a record the server refuses for good (a registry
+name clash, an invalid value) is dropped, with an error in the log.
 
 One MLflow run per dapo_loop execution: the run is found by its `dapo.run_key`
 tag (so a resumed execution keeps logging into the same run) or created with the
@@ -284,14 +285,13 @@ def is_permanent(error: Exception) -> bool:
 def deliver(
     target: RunTarget,
     records: list[dict],
-    rejected_path: str | Path | None = None,
     materialize: Callable[[str], str] | None = None,
 ) -> list[dict]:
     """Send records in order; return those not sent (from the first failure on).
 
     Order is kept so a later step's metrics never overtake an earlier one's. A record
     the server refuses for good (a registry name clash, an invalid value) is logged as
-    an error and written to rejected_path instead of blocking the queue forever.
+    an error and dropped instead of blocking the queue forever.
     """
     if not records:
         return []
@@ -303,8 +303,6 @@ def deliver(
             except Exception as error:  # any transport or server error: keep it for later
                 if is_permanent(error):
                     logger.error("MLflow refused a %s record: %s", record["kind"], error)
-                    if rejected_path:
-                        spill([record], rejected_path)
                     continue
                 logger.warning(
                     "MLflow at %s unavailable (%s: %s); %d record(s) kept for a later delivery",

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapo.advantages import group_advantages
-from dapo.sampling import GroupBatchAccumulator, informative_groups
+from dapo.sampling import SamplingState, informative_groups
 
 
 def test_group_advantages_hand_computed():
@@ -64,27 +64,25 @@ def test_informative_groups_keeps_mixed_only():
     assert informative_groups([], []) == []
 
 
-def test_accumulator_fills_over_rounds_and_reports():
-    acc = GroupBatchAccumulator(target_groups=3, max_rounds=5)
-    acc.add_round([1, 1, 1, -1], ["r0-a", "r0-a", "r0-b", "r0-b"])
-    assert acc.kept == ["r0-b"] and not acc.done
-    acc.add_round([1, -1, 1, -1, 1, 1], ["r1-a", "r1-a", "r1-c", "r1-c", "r1-d", "r1-d"])
-    assert acc.is_full and acc.done
-    assert acc.selected() == ["r0-b", "r1-a", "r1-c"]
-    assert acc.rounds == 2
-    assert acc.kept_ratio == pytest.approx(3 / 5)
+def test_sampling_state_fills_over_rounds_and_reports():
+    state = SamplingState().after_round(2, 1, target_groups=3, max_rounds=5, rollout_tokens=10, rollout_seconds=1)
+    assert (state.rounds, state.kept_groups, state.done) == (1, 1, False)
+    state = state.after_round(3, 3, target_groups=3, max_rounds=5, rollout_tokens=10, rollout_seconds=1)
+    assert state == SamplingState(rounds=2, generated_groups=5, kept_groups=4, done=True, rollout_tokens=20, rollout_seconds=2)
+    assert state.kept_ratio == pytest.approx(4 / 5)
+    assert SamplingState.from_json(state.to_json()) == state and SamplingState.from_json("") == SamplingState()
 
 
-def test_accumulator_stops_at_round_limit_short():
-    acc = GroupBatchAccumulator(target_groups=4, max_rounds=2)
-    for r in range(2):
-        acc.add_round([1, 1], [f"r{r}", f"r{r}"])
-    assert acc.out_of_rounds and acc.done and not acc.is_full
-    assert acc.selected() == [] and acc.kept_ratio == 0.0
+def test_sampling_state_stops_at_round_limit_short():
+    state = SamplingState()
+    for _ in range(2):
+        assert not state.done
+        state = state.after_round(1, 0, target_groups=4, max_rounds=2)
+    assert state.done and state.kept_groups == 0 and state.kept_ratio == 0.0
 
 
-def test_accumulator_unbounded_rounds():
-    acc = GroupBatchAccumulator(target_groups=1, max_rounds=0)
-    for r in range(50):
-        acc.add_round([0, 0], [r, r])
-    assert not acc.done
+def test_sampling_state_unbounded_rounds():
+    state = SamplingState()
+    for _ in range(50):
+        state = state.after_round(1, 0, target_groups=1, max_rounds=0)
+    assert not state.done and state.rounds == 50

@@ -151,7 +151,8 @@ def test_trainer_save_crash_keeps_the_previous_checkpoint(tmp_path_factory, tmp_
         from test_trainer import make_config, scored_table, shared_tiny_policy
     except ImportError:
         from tests.test_trainer import make_config, scored_table, shared_tiny_policy
-    from dapo.trainer import make_trainer, policy_update
+    from dapo.trainer import make_trainer
+    from dapo.update import policy_update
 
     policy_dir = shared_tiny_policy(tmp_path_factory)
     config = make_config()

@@ -77,14 +77,14 @@ def test_unreachable_server_keeps_every_record_and_fails_fast(tmp_path):
     assert time.perf_counter() - started < 15
 
 
-def test_registry_name_clash_is_refused_not_retried(tmp_path, tiny_checkpoint, monkeypatch):
+def test_registry_name_clash_is_refused_not_retried(tmp_path, tiny_checkpoint, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     target = sqlite_target(tmp_path)
     client_for(target).create_registered_model("someone-elses-model")
-    rejected = tmp_path / "rejected.jsonl"
-    left = deliver(target, [register_record("someone-elses-model", tiny_checkpoint, 1, 0.5), metrics_record(1, {"acc": 0.5})], rejected_path=rejected)
+    left = deliver(target, [register_record("someone-elses-model", tiny_checkpoint, 1, 0.5), metrics_record(1, {"acc": 0.5})])
     assert left == []  # the clash does not block the metrics behind it
-    assert "someone-elses-model" in rejected.read_text()
+    refusals = [r for r in caplog.records if r.levelname == "ERROR" and "MLflow refused a register record" in r.getMessage()]
+    assert len(refusals) == 1 and "someone-elses-model" in refusals[0].getMessage()
     assert client_for(target).search_model_versions("name = 'someone-elses-model'") == []
 
 

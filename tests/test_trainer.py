@@ -1,4 +1,4 @@
-"""The DAPO policy step (dapo.trainer): exact accumulation, direction, masking, resume, refusal.
+"""The DAPO policy step (dapo.update on the dapo.trainer backends): exact accumulation, direction, masking, resume, refusal.
 
 The DeepSpeed tests (marker ``deepspeed``) run one process with DS_ACCELERATOR=cpu;
 the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached after).
@@ -18,15 +18,8 @@ from dapo import checkpoint
 from dapo.batch import SCORED_SCHEMA, collate, response_log_probs
 from dapo.config import DAPOConfig
 from dapo.policy import TinyPolicySpec, build_tiny_policy
-from dapo.trainer import (
-    STATE_DIR,
-    lr_at,
-    make_trainer,
-    minibatch_backward,
-    policy_update,
-    prepare_step,
-    trim_batch,
-)
+from dapo.trainer import STATE_DIR, make_trainer, prune_step_dirs, trim_batch
+from dapo.update import lr_at, minibatch_backward, policy_update, prepare_step
 
 G = 4
 
@@ -87,6 +80,12 @@ def scored_table(groups: int = 4, seed: int = 0, truncated_every: int = 0, rewar
                 )
             )
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
+
+
+def weights_of(trainer) -> dict[str, torch.Tensor]:
+    """fp32 CPU copies of the HF model's parameters (whole on every rank: these tests use ZeRO 0-2, not 3)."""
+    model = trainer.engine.module if trainer.backend_name == "deepspeed" else trainer.model
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
 def grads_of(trainer) -> dict[str, torch.Tensor]:
@@ -218,12 +217,12 @@ def run_nonfinite(config, policy_dir):
     table = scored_table(groups=2, rewards=rewards)
     trainer = make_trainer(config, policy_dir)
     try:
-        before = trainer.named_weights()
+        before = weights_of(trainer)
         all_bad = scored_table(groups=2, rewards=[float("nan")] * (2 * G))
         refused = policy_update(trainer, all_bad, config, step=0, temperature=1.0)
-        unchanged = trainer.named_weights()
+        unchanged = weights_of(trainer)
         partial = policy_update(trainer, table, config.replace(ppo_mini_batch_size=1), step=1, temperature=1.0)
-        changed = trainer.named_weights()
+        changed = weights_of(trainer)
     finally:
         trainer.close()
     return before, refused, unchanged, partial, changed
@@ -250,16 +249,16 @@ def two_steps_and_resume(config, policy_dir, tmp_path):
     try:
         first = policy_update(trainer, tables[0], config, step=0, temperature=1.0)
         trainer.save(ckpt)
-        after_first = trainer.named_weights()
+        after_first = weights_of(trainer)
         policy_update(trainer, tables[1], config, step=1, temperature=1.0)
-        continuous = trainer.named_weights()
+        continuous = weights_of(trainer)
     finally:
         trainer.close()
     resumed_trainer = make_trainer(config, ckpt)
     try:
         assert resumed_trainer.resumed and resumed_trainer.state.next_step == 1
         policy_update(resumed_trainer, tables[1], config, step=1, temperature=1.0)
-        resumed = resumed_trainer.named_weights()
+        resumed = weights_of(resumed_trainer)
     finally:
         resumed_trainer.close()
     return continuous, resumed, first, after_first, ckpt, tables
@@ -293,7 +292,7 @@ def test_torch_backend_resumes_exactly_and_saves_an_hf_checkpoint(policy_dir, tm
     try:
         assert not trainer.resumed
         policy_update(trainer, tables[1], config, step=1, temperature=1.0)
-        assert max_diff(continuous, trainer.named_weights()) > 1e-5
+        assert max_diff(continuous, weights_of(trainer)) > 1e-5
     finally:
         trainer.close()
 
@@ -322,7 +321,7 @@ def deepspeed_run(policy_dir, tmp_path_factory):
     trainer = make_trainer(reference, policy_dir)
     try:
         torch_first = policy_update(trainer, tables[0], reference, step=0, temperature=1.0)
-        torch_after_first = trainer.named_weights()
+        torch_after_first = weights_of(trainer)
     finally:
         trainer.close()
     return dict(continuous=continuous, resumed=resumed, first=first, after_first=after_first, ckpt=ckpt,
@@ -382,8 +381,6 @@ def test_deepspeed_nonfinite_loss_refuses_the_update(policy_dir):
 
 def test_prune_step_dirs_keeps_the_newest_steps_of_the_run(tmp_path):
     import os
-
-    from dapo.trainer import prune_step_dirs
 
     for name, mtime in (("policy-2-aa", 1), ("policy-10-bb", 2), ("policy-3-cc", 3), ("policy-10-dd", 4), ("other", 0)):
         (tmp_path / name).mkdir()

@@ -23,12 +23,12 @@ import logging
 import os
 import threading
 
+from dapo.config import ROLLOUT_BACKENDS
 from dapo.rollout.base import Completion, RolloutEngine, SamplingSettings, checkpoint_fingerprint, request_seed
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BACKENDS",
     "Completion",
     "RolloutEngine",
     "SamplingSettings",
@@ -37,8 +37,6 @@ __all__ = [
     "make_rollout_engine",
     "request_seed",
 ]
-
-BACKENDS = ("vllm", "hf")
 
 
 def make_rollout_engine(
@@ -66,7 +64,7 @@ def make_rollout_engine(
         from dapo.rollout.hf_engine import HFRolloutEngine
 
         return HFRolloutEngine(model_dir, **common, **backend_options)
-    raise ValueError(f"unknown rollout backend {backend!r}; choose one of {BACKENDS}")
+    raise ValueError(f"unknown rollout backend {backend!r}; choose one of {ROLLOUT_BACKENDS}")
 
 
 # --- one live engine per process ----------------------------------------------------

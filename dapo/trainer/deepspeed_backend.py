@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from dapo.config import DAPOConfig
-from dapo.trainer import STATE_DIR, PolicyTrainer
+from dapo.trainer.base import STATE_DIR, PolicyTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,6 @@ class DeepSpeedTrainer(PolicyTrainer):
         from transformers import AutoModelForCausalLM
 
         self._dist = dist
-        self._deepspeed = deepspeed
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.stage = config.zero_stage
@@ -224,13 +223,6 @@ class DeepSpeedTrainer(PolicyTrainer):
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        params = list(self.engine.module.named_parameters())
-        if self.stage == 3:
-            with self._deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-                return {name: p.detach().float().cpu().clone() for name, p in params}
-        return {name: p.detach().float().cpu().clone() for name, p in params}
 
     # --- distributed helpers ----------------------------------------------------------
     def barrier(self) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dapo.config import DAPOConfig
-from dapo.trainer import STATE_DIR, PolicyTrainer
+from dapo.trainer.base import STATE_DIR, PolicyTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,6 @@ class TorchTrainer(PolicyTrainer):
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu().clone() for name, p in self.model.named_parameters()}
 
     def _save_weights(self, out_dir: str) -> None:
         self.model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,262 @@
+"""The DAPO policy update (Yu et al. 2025, arXiv 2503.14476), independent of the training backend.
+
+For a scored batch of G responses o_i per question q with rewards R_i:
+
+1. A_i = (R_i - mean({R_j})) / (std({R_j}) + eps) within each group (``dapo.advantages``);
+2. log pi_theta_old(o_{i,t}) (and the token entropy) recomputed by the trainer without grad;
+3. loss mask = response mask, minus truncated responses when ``overlong_filtering``;
+4. ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size`` whole groups,
+   shuffled with a generator seeded by (config.seed, step, epoch);
+5. per mini-batch, the decoupled-clip loss L_{i,t} (``dapo.loss``) over micro-batches of
+   ``micro_batch_size`` responses, each micro loss weighted by its share of the
+   mini-batch's valid tokens sum_i |o_i| (token-mean) or of its responses with a valid
+   token (seq modes), so the accumulated gradient is exactly that of the whole
+   mini-batch's loss; clip at ``grad_clip``; AdamW step at
+   lr = ``lr * min(1, (step + 1) / warmup_steps)`` (linear warm-up over policy steps,
+   then constant);
+6. an update whose loss or gradient norm is not finite is not applied (counted in
+   ``nonfinite_updates``; the caller decides whether to stop).
+
+Across data-parallel ranks (DeepSpeed with WORLD_SIZE > 1) every rank holds the
+whole scored table: the old-log-prob pass and the micro-batches of each mini-batch
+are dealt round-robin over the ranks, each micro loss is scaled by the world size
+(DeepSpeed averages gradients over ranks), and ranks short of a micro-batch run a
+zero-weight one so that all ranks run the same collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from dapo.advantages import group_advantages, group_index
+from dapo.batch import PolicyBatch, collate_table
+from dapo.config import DAPOConfig
+from dapo.loss import masked_mean, policy_loss
+
+if TYPE_CHECKING:
+    from dapo.trainer import PolicyTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def lr_at(config: DAPOConfig, step: int) -> float:
+    """Linear warm-up over ``warmup_steps`` policy steps (step 0 gets lr / warmup_steps), then constant."""
+    if config.warmup_steps <= 0:
+        return config.lr
+    return config.lr * min(1.0, (step + 1) / config.warmup_steps)
+
+
+def shuffle_seed(seed: int, step: int, epoch: int) -> int:
+    """The seed of the mini-batch order of (seed, step, epoch): a hash, so that neighbouring values give unrelated orders."""
+    digest = hashlib.sha256(f"dapo-minibatch:{seed}:{step}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class StepData:
+    """A scored batch in tensor form with everything the updates need."""
+
+    batch: PolicyBatch
+    advantages: torch.Tensor  # (B,)
+    old_log_probs: torch.Tensor  # (B, R)
+    entropy: torch.Tensor  # (B, R)
+    loss_mask: torch.Tensor  # (B, R) float
+    group_rows: list[torch.Tensor]  # row indices of each group, in order of first appearance
+    metrics: dict[str, float]
+
+
+def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, temperature: float) -> StepData:
+    """Advantages, collated tensors, old log-probs (no grad) and the loss mask."""
+    if scored.num_rows == 0:
+        raise ValueError("policy_update needs a non-empty scored batch")
+    group_ids = scored.column("group_id").to_pylist()
+    advantages = group_advantages(scored.column("reward").to_pylist(), group_ids)
+    batch = collate_table(scored, trainer.pad_token_id)
+    response_mask = batch.response_mask.to(torch.float32)
+    loss_mask = response_mask.clone()
+    truncated = torch.tensor([bool(t) for t in scored.column("truncated").to_pylist()])
+    if config.overlong_filtering:
+        loss_mask[truncated] = 0.0
+
+    old_log_probs, entropy = trainer.log_probs(batch, temperature)
+
+    index = group_index(group_ids)
+    group_rows = [(index == g).nonzero().flatten() for g in range(int(index.max()) + 1)]
+
+    lengths = response_mask.sum(dim=-1)
+    metrics = {
+        "entropy": masked_mean(entropy, response_mask).item(),
+        "response_length_mean": lengths.mean().item(),
+        "response_length_max": lengths.max().item(),
+        "tokens": response_mask.sum().item(),
+        "loss_tokens": loss_mask.sum().item(),
+        "truncated_frac": truncated.float().mean().item(),
+        "advantage_abs_mean": advantages.abs().mean().item(),
+        "groups": float(len(group_rows)),
+        "rollout_logprob_diff": _rollout_diff(scored, old_log_probs, batch.response_mask),
+    }
+    return StepData(batch, advantages, old_log_probs, entropy, loss_mask, group_rows, metrics)
+
+
+def _rollout_diff(scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Mean |recomputed - rollout| log-prob over tokens of rows whose rollout log-probs cover the response."""
+    total, count = 0.0, 0
+    for row, values in enumerate(scored.column("rollout_log_probs").to_pylist()):
+        n = int(response_mask[row].sum())
+        if not values or len(values) < n or n == 0:
+            continue
+        rollout = torch.as_tensor(values[:n], dtype=torch.float32)
+        total += (old_log_probs[row, :n] - rollout).abs().sum().item()
+        count += n
+    return total / count if count else float("nan")
+
+
+_METRIC_KEYS = ("pg_loss", "clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
+
+
+def minibatch_backward(
+    trainer: PolicyTrainer, data: StepData, rows: torch.Tensor, config: DAPOConfig, temperature: float
+) -> dict[str, float] | None:
+    """Accumulate the gradient of one mini-batch's loss over micro-batches (no optimizer step).
+
+    Returns the mini-batch's metrics (token-weighted over micro-batches and ranks) with
+    "nonfinite" = 1.0 when a micro loss was not finite (its backward then poisons the
+    gradient with NaN so the step is refused everywhere), or None when the mini-batch
+    has no valid token (nothing to learn; no update).
+    """
+    mask = data.loss_mask[rows]
+    seq_mode = config.loss_agg_mode != "token-mean"
+    total_tokens = mask.sum().item()
+    total_units = (mask.sum(dim=-1) > 0).sum().item() if seq_mode else total_tokens
+    if total_units == 0:
+        return None
+    size = config.micro_batch_size or len(rows)
+    chunks = list(rows.split(size))
+    per_rank = -(-len(chunks) // trainer.world_size)
+    mine = [(c, True) for c in chunks[trainer.rank :: trainer.world_size]]
+    mine += [(chunks[0], False)] * (per_rank - len(mine))  # zero-weight filler: same collectives on every rank
+
+    width = data.batch.responses.shape[1]
+    if config.loss_agg_mode == "seq-mean-token-sum-norm":
+        width = max(width, config.max_response_length)  # Dr. GRPO's constant L_max, not the padded width
+
+    sums = torch.zeros(len(_METRIC_KEYS) + 1, dtype=torch.float64)  # weighted metrics, then nonfinite flag
+    trainer.train_mode(True)
+    trainer.zero_grad()
+    for i, (chunk, counts) in enumerate(mine):
+        micro = data.batch.select(chunk)
+        log_probs, _ = trainer.forward(micro, temperature)
+        pad = width - log_probs.shape[1]
+        device = log_probs.device
+        micro_mask = data.loss_mask[chunk]
+        loss, loss_metrics = policy_loss(
+            log_probs if pad == 0 else F.pad(log_probs, (0, pad)),
+            F.pad(data.old_log_probs[chunk], (0, pad)).to(device),
+            data.advantages[chunk].to(device),
+            F.pad(micro_mask, (0, pad)).to(device),
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            clip_ratio_c=config.clip_ratio_c,
+            agg=config.loss_agg_mode,
+        )
+        micro_tokens = micro_mask.sum().item()
+        micro_units = (micro_mask.sum(dim=-1) > 0).sum().item() if seq_mode else micro_tokens
+        share = micro_units / total_units if counts else 0.0
+        token_share = micro_tokens / total_tokens if counts else 0.0
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            scaled = loss * (share * trainer.world_size)
+            sums[0] += loss.item() * share
+            for k, key in enumerate(_METRIC_KEYS[1:], start=1):
+                sums[k] += loss_metrics[key] * token_share
+        else:
+            # NaN reaches every parameter's gradient: the backend refuses the step (all ranks agree).
+            scaled = log_probs.sum() * float("nan")
+            sums[-1] = 1.0
+        trainer.backward(scaled, last_micro_batch=i == len(mine) - 1)
+    if trainer.world_size > 1:
+        sums = trainer.all_reduce_sum(sums)
+    out = {key: sums[k].item() for k, key in enumerate(_METRIC_KEYS)}
+    out["nonfinite"] = 1.0 if sums[-1].item() > 0 else 0.0
+    return out
+
+
+class RolloutGapExceeded(RuntimeError):
+    """The batch's rollout log-probs are too far from the trainer's: no update was made."""
+
+    def __init__(self, gap: float, threshold: float):
+        super().__init__(f"mean |rollout - trainer| log-prob {gap:.3g} > {threshold:.3g}")
+        self.gap = gap
+        self.threshold = threshold
+
+
+def policy_update(
+    trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, step: int, temperature: float,
+    max_rollout_gap: float | None = None,
+) -> dict[str, float]:
+    """One DAPO policy step on a scored batch (SCORED_SCHEMA rows); returns float metrics.
+
+    Metrics: pg_loss, clipfrac, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl,
+    ratio_mean, grad_norm (pre-clip) averaged over applied updates; lr; entropy (mean
+    token entropy under the policy before the step); rollout_logprob_diff (mean |old -
+    rollout| log-prob, NaN when the rollout gave none); response_length_mean/max;
+    tokens (valid response tokens), loss_tokens (after overlong filtering);
+    num_updates (applied), nonfinite_updates (refused), empty_updates (mini-batches
+    with no valid token); step_seconds.
+
+    max_rollout_gap: raise RolloutGapExceeded before any update when rollout_logprob_diff
+    exceeds it (every rank computes the same value from all-reduced log-probs).
+    """
+    started = time.perf_counter()
+    if step != trainer.state.next_step:
+        logger.info("policy_update step=%d; the loaded trainer state expected step %d", step, trainer.state.next_step)
+    data = prepare_step(trainer, scored, config, temperature)
+    gap = data.metrics["rollout_logprob_diff"]
+    if max_rollout_gap is not None and gap == gap and gap > max_rollout_gap:  # NaN: no rollout log-probs to compare
+        raise RolloutGapExceeded(gap, max_rollout_gap)
+    lr = lr_at(config, step)
+    trainer.set_lr(lr)
+
+    totals = dict.fromkeys((*_METRIC_KEYS, "grad_norm"), 0.0)
+    applied = nonfinite = empty = 0
+    n_groups = len(data.group_rows)
+    for epoch in range(config.ppo_epochs):
+        generator = torch.Generator().manual_seed(shuffle_seed(config.seed, step, epoch))
+        order = torch.randperm(n_groups, generator=generator).tolist()
+        for start in range(0, n_groups, config.ppo_mini_batch_size):
+            rows = torch.cat([data.group_rows[g] for g in order[start : start + config.ppo_mini_batch_size]])
+            result = minibatch_backward(trainer, data, rows, config, temperature)
+            if result is None:
+                empty += 1
+                continue
+            grad_norm, ok = trainer.step(skip=result["nonfinite"] > 0)
+            if not ok:
+                nonfinite += 1
+                logger.warning(
+                    "step %d epoch %d: update refused (loss %s, grad norm %s)", step, epoch, result["pg_loss"], grad_norm
+                )
+                continue
+            applied += 1
+            for key in _METRIC_KEYS:
+                totals[key] += result[key]
+            totals["grad_norm"] += grad_norm
+    trainer.finish_step(step, applied)
+
+    metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
+    metrics.update(data.metrics)
+    metrics.update(
+        lr=lr,
+        num_updates=float(applied),
+        nonfinite_updates=float(nonfinite),
+        empty_updates=float(empty),
+        step_seconds=time.perf_counter() - started,
+    )
+    return {key: float(value) for key, value in metrics.items()}
