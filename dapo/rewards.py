@@ -16,11 +16,13 @@ Verification order, cheapest first:
   2. `normalize_answer` both sides; equal strings -> right. Both plain decimals but unequal
      -> wrong (canonical decimals are equal iff their strings are). Most DAPO-Math answers
      are integers, so most calls end here in microseconds.
-  3. otherwise math-verify (parse + verify) in a persistent worker subprocess with a hard
-     time limit: math-verify's own timeouts use signal.alarm, which only works in the main
-     thread, and a stuck sympy call cannot be interrupted from another thread. The worker
-     arms a soft SIGALRM deadline in its own main thread (so ordinary slow cases do not cost
-     a respawn) and the caller kills it if it still has not answered at the hard deadline.
+  3. otherwise math-verify (parse + verify) in a pool of worker processes (pebble) with a
+     hard time limit: math-verify's own timeouts use signal.alarm, which only works in the
+     main thread, and a stuck sympy call cannot be interrupted from another thread. The
+     worker arms a soft SIGALRM deadline in its own main thread (so ordinary slow cases do
+     not cost a new worker) and the pool kills it if it still runs at the hard deadline.
+     Workers are spawned, never forked; as with any spawn-based multiprocessing, a script
+     that verifies answers must keep its top level under ``if __name__ == "__main__":``.
 
 Model text is never evaluated as code: only string operations here, and math-verify's
 parser (ANTLR LaTeX grammar / sympy's restricted parse_expr) in the worker.
@@ -30,23 +32,25 @@ Nothing here imports flytekit; the module is safe to import from any thread or p
 
 from __future__ import annotations
 
-import atexit
-import json
+import functools
 import logging
 import math
+import multiprocessing
+import multiprocessing.util
 import os
 import re
-import select
-import subprocess
-import sys
+import resource
+import signal
 import threading
-import time
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+
+import pebble
 
 __all__ = [
     "extract_answer",
     "normalize_answer",
     "verify_answer",
-    "correctness_reward",
     "overlong_penalty",
     "format_score",
     "format_reward_weight",
@@ -313,271 +317,164 @@ def _normalize_once(s: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# math-verify in a worker subprocess
+# math-verify in worker processes (a pebble ProcessPool)
 # ---------------------------------------------------------------------------------------
 
-# Runs as `python -P -c <this>`: no multiprocessing (no re-import of the caller's __main__,
-# no fork of a process that holds torch / vLLM threads). Protocol: one JSON object per line
-# (ASCII only, so lone surrogates from junk bytes survive); the first line says ready.
-_WORKER_SOURCE = r"""
-import json, os, signal, sys
+_SOFT_DEADLINE_FRACTION: float | None = 0.85  # a worker interrupts itself at this share of the limit
+_MAX_POOL_FAILURES = 3  # pools broken in a row (workers that cannot start) before giving up
+_START_TIMEOUT_S = 60.0  # importing sympy + math-verify in a cold container
+# Spawn, never fork: the caller may hold torch / vLLM / pyarrow threads.
+_SPAWN = multiprocessing.get_context("spawn")
 
-def main():
-    out = os.fdopen(os.dup(1), "w", encoding="ascii", newline="\n")
-    os.dup2(2, 1)  # stray prints from libraries must not corrupt the protocol
-    sys.stdout = sys.stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; EOF on stdin ends us
 
-    def send(obj):
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
+class _SoftDeadline(BaseException):  # BaseException: math-verify swallows Exception
+    """Raised by SIGALRM in a worker whose own deadline has passed."""
 
-    try:  # sympy on "10^{10^{10}}"-like input must hit MemoryError, not the node's OOM killer
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise _SoftDeadline()
+
+
+def _cap_memory() -> None:
+    """Cap a worker's address space at DAPO_VERIFY_MAX_MEM_MB (default 4096; 0: no cap), so
+    sympy on "10^{10^{10}}"-like input hits MemoryError instead of the node's OOM killer."""
+    try:
         mem_mb = int(os.environ.get("DAPO_VERIFY_MAX_MEM_MB", "4096") or 0)
         if mem_mb > 0:
-            import resource
             resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-    except Exception:
-        pass
+    except (ValueError, OSError) as e:
+        logger.warning("math-verify worker runs without a memory cap: %r", e)
 
-    class Deadline(BaseException):  # BaseException: math-verify swallows Exception
-        pass
 
-    def on_alarm(signum, frame):
-        raise Deadline()
+def _start_worker() -> None:
+    """pebble's initializer: prepares each new worker before it takes a task, so the time
+    it takes (the math-verify import, a second or two) counts against no call's limit.
+    An exception here ends the worker; a pool whose workers all end this way breaks."""
+    _cap_memory()
+    # pebble stops a worker with SIGTERM, handled in Python, and SIGKILLs it 3 s later if it
+    # still runs: a worker stuck in one long C call (sympy's big integers) never runs that
+    # handler. The default action ends it at once.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    import math_verify  # noqa: F401
 
-    signal.signal(signal.SIGALRM, on_alarm)
+
+@functools.lru_cache(maxsize=4096)  # the G responses of a group share one ground truth
+def _parse_gold(gold: str) -> list:
+    from math_verify import parse
+
+    return parse(gold, parsing_timeout=None)
+
+
+def _verify_in_worker(gold: str, pred: str, soft_deadline_s: float | None) -> bool:
+    """The pool's task, run in a worker: math-verify's parse + verify of two ``$...$`` strings.
+
+    math-verify's own timeouts are off (they use signal.alarm too); instead SIGALRM at
+    `soft_deadline_s` ends an ordinary slow case without costing a new worker. The pool
+    kills the worker at the hard limit if this does not return by then.
+    """
+    from math_verify import parse, verify
+
     try:
-        import logging
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
-        from functools import lru_cache
-        from math_verify import parse, verify
-    except BaseException as e:
-        send({"ready": False, "err": repr(e)[:500]})
-        return
-
-    @lru_cache(maxsize=4096)  # the G responses of a group share one ground truth
-    def parse_gold(g):
-        return parse(g, parsing_timeout=None)
-
-    send({"ready": True})
-    for line in iter(sys.stdin.buffer.readline, b""):
-        ok, err = False, None
+        if soft_deadline_s:
+            signal.setitimer(signal.ITIMER_REAL, soft_deadline_s)
         try:
-            req = json.loads(line)
-            soft = req.get("soft")
-            try:
-                if soft:
-                    signal.setitimer(signal.ITIMER_REAL, soft)
-                gold = parse_gold(req["g"])
-                pred = parse(req["p"], parsing_timeout=None)
-                ok = bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except Deadline:
-            ok, err = False, "soft deadline"
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            ok, err = False, repr(e)[:500]
-        send({"ok": ok, "err": err})
-
-main()
-"""
-
-_WORKER_START_TIMEOUT_S = 60.0  # importing sympy + math-verify in a cold container
-_MAX_START_FAILURES = 3  # consecutive failed starts before giving up on math-verify
-_SOFT_DEADLINE_FRACTION: float | None = 0.85  # worker interrupts itself at this share of the limit
-
-
-class _WorkerError(Exception):
-    """The worker died, timed out or answered garbage: it must be killed."""
-
-
-class _Worker:
-    """One `python -c _WORKER_SOURCE` subprocess speaking the JSON-lines protocol."""
-
-    def __init__(self) -> None:
-        flags = ["-P"] if sys.version_info >= (3, 11) else []  # no cwd on sys.path
-        self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-c", _WORKER_SOURCE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            bufsize=0,
-            close_fds=True,
-            start_new_session=True,  # Ctrl-C in the caller's terminal is the caller's business
-        )
-        self._buf = b""
-        self.ready = False
-
-    def _read_message(self, deadline: float) -> dict:
-        fd = self.proc.stdout.fileno()
-        poller = select.poll()  # not select.select: fds above 1024 are common in big processes
-        poller.register(fd, select.POLLIN)
-        while b"\n" not in self._buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not poller.poll(remaining * 1000.0):
-                raise _WorkerError("timed out")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise _WorkerError(f"exited with {self.proc.poll()}")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        try:
-            return json.loads(line)
-        except ValueError as e:
-            raise _WorkerError("garbled reply") from e
-
-    def wait_ready(self) -> None:
-        if self.ready:
-            return
-        msg = self._read_message(time.monotonic() + _WORKER_START_TIMEOUT_S)
-        if not msg.get("ready"):
-            raise RuntimeError(f"math-verify worker cannot start: {msg.get('err')}")
-        self.ready = True
-
-    def verify(self, gold: str, pred: str, timeout_s: float) -> bool:
-        soft = timeout_s * _SOFT_DEADLINE_FRACTION if _SOFT_DEADLINE_FRACTION else None
-        data = (json.dumps({"g": gold, "p": pred, "soft": soft}) + "\n").encode("ascii")
-        deadline = time.monotonic() + timeout_s
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.proc.stdin.fileno(), view) :]
-        except OSError as e:  # BrokenPipeError: it died between calls
-            raise _WorkerError(f"write failed: {e}") from e
-        msg = self._read_message(deadline)
-        if msg.get("err"):
-            logger.debug("math-verify failed (counted as wrong): %s", msg["err"])
-        return msg.get("ok") is True
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        except Exception:  # already gone, or a zombie we cannot reap: nothing else to do
-            pass
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
+            gold_parsed = _parse_gold(gold)
+            pred_parsed = parse(pred, parsing_timeout=None)
+            return bool(gold_parsed) and bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _SoftDeadline:  # also when it fires inside the `finally` above
+        return False
 
 
 class _VerifierPool:
-    """Up to `max_workers` workers shared by all threads; a timed-out worker is killed and a
-    replacement spawned at once (it imports in the background while the caller moves on)."""
+    """math-verify workers (a pebble ProcessPool), shared by all threads, started at first use.
+
+    pebble times a task from the moment a worker takes it (time spent queued for a busy
+    worker is not counted), kills the worker at the limit and starts a replacement. A pool
+    breaks when its workers die with no task running, e.g. when math-verify cannot be
+    imported; it is then replaced, and after _MAX_POOL_FAILURES broken pools in a row
+    math-verify is given up: only exact matches count.
+    """
 
     def __init__(self, max_workers: int) -> None:
-        self._max = max(1, max_workers)
-        self._cond = threading.Condition()
-        self._idle: list[_Worker] = []
-        self._count = 0
-        self._closed = False
-        self._broken: str | None = None
-        self._start_failures = 0
-
-    def _acquire(self) -> _Worker | None:
-        with self._cond:
-            while not self._idle and self._count >= self._max and not self._closed:
-                self._cond.wait()
-            if self._closed or self._broken:
-                return None
-            if self._idle:
-                return self._idle.pop()
-            self._count += 1
-        try:
-            return _Worker()
-        except Exception:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            raise
-
-    def _release(self, worker: _Worker, healthy: bool) -> None:
-        if not healthy:
-            worker.kill()
-            worker = None
-            if not self._closed and not self._broken:
-                try:
-                    worker = _Worker()  # pre-spawn: the next call should not pay the import
-                except Exception:
-                    logger.debug("cannot respawn math-verify worker", exc_info=True)
-        with self._cond:
-            if worker is None:
-                self._count -= 1
-            elif self._closed:
-                worker.kill()
-                self._count -= 1
-            else:
-                self._idle.append(worker)
-            self._cond.notify()
-
-    def _mark_broken(self, reason: str) -> None:
-        with self._cond:
-            if self._broken is None:
-                logger.warning("%s; only exact matches will count as correct", reason)
-            self._broken = reason
+        self.max_workers = max_workers
+        self._lock = threading.Lock()
+        self._pool: pebble.ProcessPool | None = None
+        self._failures = 0
+        self._given_up = False
+        self._stop_at_exit: multiprocessing.util.Finalize | None = None
 
     def verify(self, gold: str, pred: str, timeout_s: float) -> bool:
+        """math-verify(gold, pred) within `timeout_s` seconds of work; False on any failure."""
+        pool = self._running_pool()
+        if pool is None:
+            return False
+        soft = timeout_s * _SOFT_DEADLINE_FRACTION if _SOFT_DEADLINE_FRACTION else None
         try:
-            worker = self._acquire()
-        except (FileNotFoundError, PermissionError) as e:  # no usable sys.executable
-            self._mark_broken(f"cannot start the math-verify worker: {e!r}")
+            future = pool.schedule(_verify_in_worker, (gold, pred, soft), timeout=timeout_s)
+        except RuntimeError as e:  # broke since: its manager saw the workers die
+            self._discard(pool, repr(e))
             return False
-        except OSError:  # e.g. out of fds or processes for now: this answer only
-            logger.debug("cannot start a math-verify worker; answer counted as wrong", exc_info=True)
-            return False
-        if worker is None:
-            return False
-        healthy = False
+        return self._result(pool, future, timeout_s)
+
+    def _running_pool(self) -> pebble.ProcessPool | None:
+        """The current pool (new if need be), or None once math-verify has been given up."""
+        with self._lock:
+            if self._given_up:
+                return None
+            if self._pool is None:
+                self._pool = pebble.ProcessPool(self.max_workers, initializer=_start_worker, context=_SPAWN)
+                # Stop it at exit, before multiprocessing joins the (non-daemon) workers, which
+                # would wait forever: pebble's own atexit hook does not run in a process that
+                # multiprocessing started (it leaves by os._exit), only this finalizer does.
+                self._stop_at_exit = multiprocessing.util.Finalize(None, _stop_pool, (self._pool,), exitpriority=0)
+            return self._pool
+
+    def _result(self, pool: pebble.ProcessPool, future: Future, timeout_s: float) -> bool:
+        # Bounded wait: pebble's limit applies only once a worker has taken the task.
+        wait_s = _START_TIMEOUT_S + timeout_s if pool is self._pool else 0.0
         try:
-            try:
-                worker.wait_ready()
-            except RuntimeError as e:  # math-verify not importable: say it once, then go exact-only
-                self._mark_broken(str(e))
-                return False
-            except _WorkerError as e:  # crashed or hung while starting
-                with self._cond:
-                    self._start_failures += 1
-                    failures = self._start_failures
-                if failures >= _MAX_START_FAILURES:
-                    self._mark_broken(f"math-verify worker failed to start {failures} times in a row ({e})")
-                raise
-            with self._cond:
-                self._start_failures = 0
-            result = worker.verify(gold, pred, timeout_s)
-            healthy = True
-            return result
-        except _WorkerError as e:
-            logger.debug("math-verify worker killed (%s); answer counted as wrong", e)
+            ok = future.result(timeout=wait_s)
+        except BrokenProcessPool as e:
+            self._discard(pool, repr(e))
             return False
-        finally:
-            self._release(worker, healthy)
+        except TimeoutError:
+            if future.done():
+                logger.debug("math-verify worker killed at the time limit; answer counted as wrong")
+            else:
+                future.cancel()
+                self._discard(pool, f"no worker took a task within {wait_s:.0f} s")
+            return False
+        except Exception as e:  # math-verify's own errors, a worker that died (ProcessExpired)
+            logger.debug("math-verify failed (counted as wrong): %r", e)
+            return False
+        with self._lock:
+            self._failures = 0
+        return ok is True
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._count -= len(idle)
-            self._cond.notify_all()
-        for w in idle:
-            w.kill()
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop the parent's workers without touching them."""
-        for w in self._idle:
-            for f in (w.proc.stdin, w.proc.stdout):
-                try:
-                    f.close()
-                except Exception:
-                    pass
-        self._idle = []
+    def _discard(self, pool: pebble.ProcessPool, reason: str) -> None:
+        """Stop a broken pool; the next call starts another unless too many broke in a row."""
+        with self._lock:
+            if self._pool is not pool:
+                return  # another thread got here first
+            self._pool, stop = None, self._stop_at_exit
+            self._failures += 1
+            if self._failures >= _MAX_POOL_FAILURES:
+                self._given_up = True
+                logger.warning(
+                    "math-verify workers failed %d times in a row (%s); only exact matches will count as correct",
+                    self._failures,
+                    reason,
+                )
+        stop()
 
 
-_POOL: _VerifierPool | None = None
-_POOL_LOCK = threading.Lock()
+def _stop_pool(pool: pebble.ProcessPool) -> None:
+    pool.stop()
+    pool.join()
 
 
 def _default_workers() -> int:
@@ -592,33 +489,17 @@ def _default_workers() -> int:
         return default
 
 
-def _get_pool() -> _VerifierPool:
+_POOL = _VerifierPool(_default_workers())
+
+
+def _forget_pool_after_fork() -> None:
+    """In a forked child the parent's pool (whose threads did not survive the fork) is not
+    ours to use or stop: start afresh."""
     global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = _VerifierPool(_default_workers())
-        return _POOL
+    _POOL = _VerifierPool(_POOL.max_workers)
 
 
-def _shutdown_pool() -> None:
-    global _POOL
-    with _POOL_LOCK:
-        pool, _POOL = _POOL, None
-    if pool is not None:
-        pool.close()
-
-
-def _after_fork_in_child() -> None:
-    global _POOL, _POOL_LOCK
-    _POOL_LOCK = threading.Lock()  # may have been held by another thread at fork time
-    if _POOL is not None:
-        _POOL.forget_after_fork()
-    _POOL = None
-
-
-atexit.register(_shutdown_pool)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _as_math_verify_latex(s: str) -> str:
@@ -638,10 +519,10 @@ def verify_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> bool:
     """is_equivalent(ŷ, a): does response `text` end with an answer equal to `ground_truth`?
 
     Exact path first (extract, `normalize_answer`, string equality; two plain decimals that
-    differ are final). Otherwise math-verify in a worker subprocess, at most `timeout_s`
-    seconds of verification (the worker's start-up, once per process and pre-spawned after
-    a kill, and any wait for a free worker when all `DAPO_VERIFY_WORKERS` are busy, are not
-    counted). Answers or ground truths longer than MAX_VERIFY_CHARS skip math-verify.
+    differ are final). Otherwise math-verify in a worker process, at most `timeout_s`
+    seconds of verification (a worker's start-up, at first use and after each kill, and any
+    wait for a free worker when all `DAPO_VERIFY_WORKERS` are busy, are not counted).
+    Answers or ground truths longer than MAX_VERIFY_CHARS skip math-verify.
     Timeouts and every error count as False (logged at debug level), never raised.
     Safe from any thread. A non-str ground truth (an int from a data file) is str()-ed.
     """
@@ -664,15 +545,10 @@ def verify_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> bool:
         if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
             logger.debug("answer too long for math-verify (%d chars): counted as wrong", len(pred))
             return False
-        return _get_pool().verify(_as_math_verify_latex(gold), _as_math_verify_latex(pred), float(timeout_s))
+        return _POOL.verify(_as_math_verify_latex(gold), _as_math_verify_latex(pred), float(timeout_s))
     except Exception:
         logger.debug("verify_answer failed; counted as wrong", exc_info=True)
         return False
-
-
-def correctness_reward(text: str, ground_truth: str) -> float:
-    """DAPO's rule-based reward R(ŷ, y) (paper sec. 2.4): +1.0 if equivalent to the ground truth, else -1.0."""
-    return 1.0 if verify_answer(text, ground_truth) else -1.0
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
