@@ -65,6 +65,7 @@ FLYTEKIT = "flytekit==1.16.31"
 KFPYTORCH = "flytekitplugins-kfpytorch==1.16.31"
 MLFLOW = "mlflow==3.17.2"
 MATH_VERIFY = "math-verify[antlr4_13_2]==0.9.0"
+PEBBLE = "pebble==5.2.3"
 PYARROW = "pyarrow==25.0.1"
 SAFETENSORS = "safetensors==0.8.0"
 TRANSFORMERS = "transformers==5.19.0"
@@ -76,9 +77,10 @@ DEEPSPEED = "deepspeed==0.19.8"
 
 # Every image can import every task module's light dependencies: flytekit and
 # the PyTorch plugin (task modules import it), MLflow (tracking from any task),
-# math-verify (rewards), pyarrow (data), safetensors + transformers + tokenizers
-# (checkpoints, tokenizer). Same pins as pyproject.toml's dependencies.
-COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS]
+# math-verify + pebble (rewards: math-verify runs in a pebble process pool), pyarrow
+# (data), safetensors + transformers + tokenizers (checkpoints, tokenizer). Same pins
+# as pyproject.toml's dependencies.
+COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS]
 
 PACKAGES: dict[str, list[str]] = {
     "rollout": COMMON + [TORCH_CUDA, VLLM],
