@@ -25,7 +25,7 @@ from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
 from dapo.data import VERL_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
 from dapo.faults import crash_point
-from dapo.rewards import format_reward_weight, score_response
+from dapo.rewards import format_reward_weight, score_responses
 from dapo.sampling import SamplingState, informative_groups
 
 logger = logging.getLogger(__name__)
@@ -203,10 +203,8 @@ def verify_rewards(config: DAPOConfig, table: pa.Table, step: int) -> pa.Table:
     """Score every response: correctness (+1/-1), soft overlong penalty, soft format reward."""
     settings = scoring_settings(config, step)
     scores = {f.name: [] for f in SCORED_SCHEMA if f.name not in ROLLOUT_SCHEMA.names}
-    for text, truth, ids in zip(
-        table.column("response_text").to_pylist(), table.column("ground_truth").to_pylist(), table.column("response_token_ids").to_pylist()
-    ):
-        score = score_response(text, truth, len(ids), **settings)
+    lengths = [len(ids) for ids in table.column("response_token_ids").to_pylist()]
+    for score in score_responses(table.column("response_text").to_pylist(), table.column("ground_truth").to_pylist(), lengths, **settings):
         for key in scores:
             scores[key].append(float(score[key]))
     for key, values in scores.items():

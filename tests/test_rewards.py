@@ -21,6 +21,7 @@ from dapo.rewards import (
     normalize_answer,
     overlong_penalty,
     score_response,
+    score_responses,
     verify_answer,
 )
 
@@ -472,6 +473,16 @@ def test_score_response_wrong_truncated_no_format():
 def test_score_response_paper_setting_ignores_format():
     out = score_response("\\boxed{7}", "7", 10, max_len=100, buffer_len=20, overlong_factor=1.0, format_weight=0.0)
     assert out["reward"] == 1.0 and out["format_score"] == 0.0 and out["acc"] == 1.0
+
+
+def test_score_responses_is_score_response_in_batch_order():
+    texts = ["Answer: 12", "Answer: \\frac{1}{2}", "no answer", "Answer: 0.5", "Answer: 13", "\\boxed{\\sqrt{8}}"] * 4
+    truths = ["12", "0.5", "3", "\\frac{1}{2}", "12", "2\\sqrt{2}"] * 4
+    lengths = list(range(0, 240, 10))
+    settings = {"max_len": 200, "buffer_len": 50, "overlong_factor": 1.0, "format_weight": 0.5}
+    want = [score_response(t, g, n, **settings) for t, g, n in zip(texts, truths, lengths)]
+    assert score_responses(texts, truths, lengths, **settings) == want
+    assert [w["acc"] for w in want[:6]] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
 
 
 def test_worker_is_a_separate_process():
