@@ -9,7 +9,7 @@ Per response y_i to question q with ground truth a:
     R_i = R_correct + overlong_factor * R_length + w_fmt(step) * format_score   (w_fmt: ours)
 
 The paper has no format reward; `format_weight` is the project's optional soft format term
-(0 keeps the paper's reward, see DESIGN.md).
+(0 keeps the paper's reward; `DAPOConfig.format_reward_weight`, off by default).
 
 Verification order, cheapest first:
   1. extract the answer (last "Answer:" line, else last ``\\boxed{}``); none -> wrong.
