@@ -103,28 +103,46 @@ def _keep_default_process_group(active: bool):
         dist.destroy_process_group = original
 
 
-class _ProcessState:
-    """The caller's RNG states and torch threads, which an in-process vLLM engine overwrites."""
+@contextmanager
+def _keep_caller_process_state():
+    """Give the caller back the RNG states and torch threads that an in-process vLLM engine
+    changes while it starts or shuts down.
+
+    vLLM seeds the global RNGs, and its CPU worker replaces `torch.set_num_threads` by a
+    no-op that logs a warning: the caller (a trainer in a local run) keeps its random
+    streams, its thread count and a working `torch.set_num_threads`.
+    """
+    import numpy as np
+    import torch
+
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+
+
+class _FirstTimeOnly(logging.Filter):
+    """Passes each distinct message once per process."""
 
     def __init__(self):
-        import numpy as np
-        import torch
+        super().__init__()
+        self._seen: set[str] = set()
 
-        self.python = random.getstate()
-        self.numpy = np.random.get_state()
-        self.torch = torch.get_rng_state()
-        self.set_num_threads = torch.set_num_threads
-        self.threads = torch.get_num_threads()
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
 
-    def restore(self) -> None:
-        import numpy as np
-        import torch
 
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        torch.set_num_threads = self.set_num_threads
-        self.set_num_threads(self.threads)
+_CPU_WORKER_REPEATS = _FirstTimeOnly()
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -175,6 +193,9 @@ class VLLMRolloutEngine(RolloutEngine):
             from vllm import LLM
             from vllm.platforms import current_platform
 
+            # vLLM's CPU worker warns at every call of the torch.set_num_threads it replaced
+            # (several per engine start) and repeats its LD_PRELOAD advice at every start.
+            logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_CPU_WORKER_REPEATS)
             options = dict(self.engine_kwargs)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
@@ -192,8 +213,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 # max(max_model_len, 4096) tokens).
                 options.setdefault("enable_chunked_prefill", False)
             self._serving_threads = serving_threads()
-            state = _ProcessState()
-            try:
+            with _keep_caller_process_state():
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
@@ -204,8 +224,6 @@ class VLLMRolloutEngine(RolloutEngine):
                     enforce_eager=enforce_eager,
                     **options,
                 )
-            finally:
-                state.restore()
             self._inprocess = self._driver_worker_inprocess()
             self._tied_aliases = self._find_tied_aliases()
         except BaseException:
@@ -236,16 +254,15 @@ class VLLMRolloutEngine(RolloutEngine):
         global _live_inprocess
         llm, self._llm = self._llm, None
         if llm is not None:
-            state = _ProcessState()
-            try:
-                with _keep_default_process_group(self._inprocess):
-                    llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
-            finally:
-                del llm
-                gc.collect()
-                state.restore()
+            with _keep_caller_process_state():
+                try:
+                    with _keep_default_process_group(self._inprocess):
+                        llm.llm_engine.engine_core.shutdown()
+                except Exception:
+                    logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
+                finally:
+                    del llm
+                    gc.collect()
         with _live_lock:
             if _live_inprocess is self:
                 _live_inprocess = None
@@ -259,14 +276,12 @@ class VLLMRolloutEngine(RolloutEngine):
         import torch
 
         threads = torch.get_num_threads()
-        set_threads = torch.set_num_threads
         if self._inprocess:
-            set_threads(self._serving_threads)
+            torch.set_num_threads(self._serving_threads)
         try:
             yield self._llm
         finally:
-            torch.set_num_threads = set_threads
-            set_threads(threads)
+            torch.set_num_threads(threads)
 
     # --- generation -----------------------------------------------------------
     def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]:
