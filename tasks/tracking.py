@@ -151,9 +151,11 @@ def register_model(
     deliver(state, target_json, records)
     target = run_target(target_json)
     try:
-        run_id = tracking.Tracker(target).run_id
-        Deck("Learning curves", report.png_html(report.learning_curves_png(tracking.run_history(target.tracking_uri, run_id)), "learning curves"))
-    except Exception as error:  # the curves are a view; MLflow being down must not fail the step
+        with tracking.fast_fail():
+            run_id = tracking.Tracker(target).run_id
+            history = tracking.run_history(target.tracking_uri, run_id)
+        Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
+    except Exception as error:  # the curves are a view; MLflow being down must not fail (or stall) the step
         logger.warning("no learning-curve Deck: MLflow at %s: %s", target.tracking_uri, error)
     return state.to_json()
 
