@@ -142,7 +142,15 @@ class _FirstTimeOnly(logging.Filter):
         return True
 
 
-_CPU_WORKER_REPEATS = _FirstTimeOnly()
+_REPEATS = _FirstTimeOnly()
+_REPEATING_LOGGERS = (
+    # The CPU worker warns at every call of the torch.set_num_threads it replaced (several
+    # per engine start) and repeats its LD_PRELOAD advice at every start.
+    "vllm.v1.worker.cpu_worker",
+    # "<layer>: Failed to load weights" at every in-place reload, i.e. every step, for the
+    # layers the checkpoint has nothing for (rotary embeddings; a tied lm_head, see the docs).
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -193,9 +201,8 @@ class VLLMRolloutEngine(RolloutEngine):
             from vllm import LLM
             from vllm.platforms import current_platform
 
-            # vLLM's CPU worker warns at every call of the torch.set_num_threads it replaced
-            # (several per engine start) and repeats its LD_PRELOAD advice at every start.
-            logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_CPU_WORKER_REPEATS)
+            for name in _REPEATING_LOGGERS:
+                logging.getLogger(name).addFilter(_REPEATS)  # once per process is enough
             options = dict(self.engine_kwargs)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
