@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,8 +38,24 @@ CHAMPION_ALIAS = "champion"
 # Server-side refusals that a retry cannot fix; anything else counts as "unavailable".
 PERMANENT_ERROR_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
 MANAGED_TAG = "dapo.managed"
-# Fail fast when the server is down: the default client retries for minutes per call.
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextmanager
+def fast_fail():
+    """MLflow calls inside (a with block, a decorated function) fail within seconds when the
+    server is down: the default client retries for minutes per call, which would stall the
+    training loop that waits on them.
+
+    MLflow's client has no setting for this but these variables, which it reads at each
+    request: they are set for the calls inside only, never over the user's own."""
+    added = {key: value for key, value in FAST_FAIL_ENV.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 class RegistryNameClash(RuntimeError):
@@ -107,8 +124,6 @@ class Tracker:
     """A thin MlflowClient wrapper bound to one run, created lazily on first success."""
 
     def __init__(self, target: RunTarget, materialize: Callable[[str], str] | None = None):
-        for key, value in FAST_FAIL_ENV.items():
-            os.environ.setdefault(key, value)
         from mlflow.tracking import MlflowClient
 
         self.target = target
@@ -229,6 +244,7 @@ def ended_status(error_message: str) -> str:
     return "KILLED" if KILLED_PATTERN.search(error_message) else "FAILED"
 
 
+@fast_fail()
 def end_run(target: RunTarget, status: str, tags: dict[str, str] | None = None) -> str:
     """Set the run's tags and end it with status (FINISHED, FAILED, KILLED); returns its
     id, or "" when there is no such run or MLflow cannot be reached (logged)."""
@@ -246,6 +262,7 @@ def end_run(target: RunTarget, status: str, tags: dict[str, str] | None = None) 
         return ""
 
 
+@fast_fail()
 def alias_version(target: RunTarget, model_name: str, alias: str = CHAMPION_ALIAS) -> str:
     """The version of model_name that holds alias ("" if none or unreachable)."""
     try:
@@ -282,6 +299,7 @@ def is_permanent(error: Exception) -> bool:
     return isinstance(error, MlflowException) and str(error.error_code) in PERMANENT_ERROR_CODES
 
 
+@fast_fail()
 def deliver(
     target: RunTarget,
     records: list[dict],

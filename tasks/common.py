@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
-import logging
 import math
 import os
 from typing import Annotated
@@ -21,6 +21,7 @@ from fsspec.core import split_protocol
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
+from dapo.logs import configure_logging
 
 # Bump a version when the task's code changes what it computes: cached results of the
 # old code are then not reused. One place, so a reviewer sees them all.
@@ -133,7 +134,17 @@ def cpu_settings(config: DAPOConfig, cpu: int = 1, mem_gib: int = 4) -> dict:
     return node_settings(config, cpu=cpu, mem_gib=mem_gib)
 
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def task_entry(function):
+    """A task's body as the start of the process that runs it (its pod; locally the pyflyte
+    process, at its first task): logging is configured there (dapo.logs), before the task's
+    code and the libraries it imports log anything."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        configure_logging()
+        return function(*args, **kwargs)
+
+    return run
 
 
 def cache(task_name: str) -> Cache:

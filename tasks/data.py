@@ -13,7 +13,7 @@ from dapo import pipeline
 from dapo.config import ConfigError, DAPOConfig
 from dapo.data import DataError
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
-from tasks.common import Checkpoint, cache, directory_output, scratch_dir
+from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
 
 DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row")
@@ -47,6 +47,7 @@ def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str,
 
 
 @task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
+@task_entry
 def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
     """The run's validated config (resolve), and the configs tasks are cached on, each with
     only the fields its outputs depend on (DAPOConfig.only): the step config for the step
@@ -57,6 +58,7 @@ def resolve_config(preset: str, overrides_json: str, total_steps: int, train_dat
 
 
 @task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
+@task_entry
 def prepare_data(config: DAPOConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
     """Validated, de-duplicated train and validation parquet files.
 
@@ -85,6 +87,7 @@ def local_copy(path: str, directory: bool = False) -> str:
 
 
 @task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
+@task_entry
 def bootstrap_policy(config: DAPOConfig) -> Checkpoint:
     """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model.
 

@@ -11,7 +11,7 @@ from flytekit.types.directory import FlyteDirectory
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
 from dapo.config import DAPOConfig
-from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD
+from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", pa.Table)])
 """The samples are a table (stored as a file, passed by reference): 20k-token responses
@@ -24,6 +24,7 @@ would make an inline list larger than Flyte keeps in a node's outputs."""
     **ROLLOUT_POD,
     **DECKS,
 )
+@task_entry
 def evaluate(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
     """avg@k accuracy at the validation sampling settings, with sample completions."""
     metrics, samples = pipeline.evaluate(config, download_weights(policy), data.download(), step)

@@ -23,7 +23,7 @@ from flytekit.types.error import FlyteError
 from dapo import pipeline, report, tracking
 from dapo.config import DAPOConfig
 from images.specs import CPU_IMAGE
-from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key
+from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
 from tasks.data import resolve
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def execution_name() -> str:
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+@task_entry
 def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
     "Tracking", [("target_json", str), ("loop_state", str)]
 ):
@@ -122,6 +123,7 @@ def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task_entry
 def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
     state = LoopState.from_json(loop_state)
@@ -134,6 +136,7 @@ def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, s
 
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
+@task_entry
 def register_model(
     target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: pa.Table, model_name: str
 ) -> str:
@@ -151,9 +154,11 @@ def register_model(
     deliver(state, target_json, records)
     target = run_target(target_json)
     try:
-        run_id = tracking.Tracker(target).run_id
-        Deck("Learning curves", report.png_html(report.learning_curves_png(tracking.run_history(target.tracking_uri, run_id)), "learning curves"))
-    except Exception as error:  # the curves are a view; MLflow being down must not fail the step
+        with tracking.fast_fail():
+            run_id = tracking.Tracker(target).run_id
+            history = tracking.run_history(target.tracking_uri, run_id)
+        Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
+    except Exception as error:  # the curves are a view; MLflow being down must not fail (or stall) the step
         logger.warning("no learning-curve Deck: MLflow at %s: %s", target.tracking_uri, error)
     return state.to_json()
 
@@ -166,6 +171,7 @@ def run_tags(config: DAPOConfig) -> dict[str, str]:
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+@task_entry
 def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model_name: str) -> RunSummary:
     """A last delivery, then the run ends FINISHED with this execution's tags; returns the
     run's summary.
@@ -192,6 +198,7 @@ def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+@task_entry
 def end_failed_run(
     preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
     mlflow_experiment: str, model_name: str, steps_per_chunk: int, err: typing.Optional[FlyteError] = None,

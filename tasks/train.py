@@ -19,7 +19,7 @@ from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import TRAINER_IMAGE
 from tasks.common import (
     DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
-    run_key, scratch_dir,
+    run_key, scratch_dir, task_entry,
 )
 
 StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
@@ -46,6 +46,7 @@ def step_output_dir(config: DAPOConfig, step: int) -> str:
 
 
 @task(**trainer_pod(gpus=1))
+@task_entry
 def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
     """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint.
 

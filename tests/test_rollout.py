@@ -349,23 +349,31 @@ def test_load_weights_switches_to_the_new_checkpoint(backend, engine, prompts, p
 
 # --- vLLM only --------------------------------------------------------------------
 @needs_vllm
-def test_vllm_closes_cleanly_after_an_exception_in_with(policy_dir, prompts):
+def test_vllm_closes_cleanly_after_an_exception_in_with(policy_dir, prompts, capfd):
     import random
 
     close_cached_rollout_engine()
     before = process_snapshot()
-    rng_state, threads = torch.get_rng_state(), torch.get_num_threads()
+    rng_state, threads, set_num_threads = torch.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
     python_state = random.getstate()
     with pytest.raises(KeyError):
         with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
-            # vLLM seeds the global RNGs and sets torch threads to 1 when it starts: restored.
+            # vLLM seeds the global RNGs and replaces torch.set_num_threads when it starts: restored.
             assert torch.equal(torch.get_rng_state(), rng_state) and random.getstate() == python_state
-            assert torch.get_num_threads() == threads
+            assert torch.get_num_threads() == threads and torch.set_num_threads is set_num_threads
             engine.generate(prompts[:2], SamplingSettings(n=2, max_tokens=4))
             assert torch.get_num_threads() == threads
             during = process_snapshot()
+            engine.restart()
+            assert torch.get_num_threads() == threads and torch.set_num_threads is set_num_threads
             raise KeyError("boom")
     assert engine.closed
+    assert torch.set_num_threads is set_num_threads
+    # vLLM's CPU worker warns at every call of the set_num_threads it put in (several per start)
+    # and repeats its LD_PRELOAD advice at every start: once per process is enough.
+    printed = "".join(capfd.readouterr())
+    assert printed.count("`torch.set_num_threads` after the thread binding") <= 1
+    assert printed.count("libtcmalloc is not found in LD_PRELOAD") <= 1
     assert_released(before, during, process_snapshot())
     # vLLM's shutdown would destroy torch.distributed's default group, which a DeepSpeed
     # trainer in the same process (a local run) may be using: the engine keeps it.

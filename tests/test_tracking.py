@@ -69,12 +69,25 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
     assert model.config.hidden_size == 16
 
 
-def test_unreachable_server_keeps_every_record_and_fails_fast(tmp_path):
+def test_unreachable_server_keeps_every_record_and_fails_fast(tmp_path, monkeypatch):
+    for key in tracking.FAST_FAIL_ENV:
+        monkeypatch.delenv(key, raising=False)
     target = RunTarget(f"http://127.0.0.1:{free_port()}", "dapo-test", "k", "exec")
     records = [metrics_record(step, {"acc": step / 10}) for step in range(3)]
     started = time.perf_counter()
     assert deliver(target, records) == records
     assert time.perf_counter() - started < 15
+    assert not [key for key in tracking.FAST_FAIL_ENV if key in os.environ]  # set for the delivery only
+
+
+def test_fast_fail_settings_never_override_the_users(monkeypatch):
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "300")
+    with tracking.fast_fail():
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "300"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "300"
 
 
 def test_registry_name_clash_is_refused_not_retried(tmp_path, tiny_checkpoint, monkeypatch, caplog):

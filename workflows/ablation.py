@@ -20,7 +20,7 @@ from flytekit.types.directory import FlyteDirectory
 from dapo import ablation as study
 from dapo import tracking
 from images.specs import CPU_IMAGE
-from tasks.common import scratch_dir
+from tasks.common import scratch_dir, task_entry
 from tasks.tracking import RunSummary
 from workflows.dapo import DYNAMIC_POD, dapo_loop
 
@@ -44,6 +44,7 @@ def ablation_runs(seeds: list[int], total_steps: int, base_overrides_json: str, 
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+@task_entry
 def ablation_report(runs: list[RunSummary], seeds: list[int], mlflow_tracking_uri: str) -> typing.NamedTuple(
     "AblationReport", [("table", str), ("report", FlyteDirectory)]
 ):

