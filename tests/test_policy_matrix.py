@@ -35,7 +35,8 @@ def matrix(tmp_path_factory):
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     }
-    env.pop("DAPO_CRASH_AT", None)
+    for leaked in ("DAPO_CRASH_AT", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(leaked, None)  # in-process trainer tests leave torch.distributed's variables set
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "run_policy_matrix.py"), str(work), *MATRIX],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True,

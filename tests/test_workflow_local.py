@@ -41,7 +41,8 @@ def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int =
         "MLFLOW_S3_ENDPOINT_URL": s3, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
         "FLYTE_SDK_RICH_TRACEBACKS": "0",  # a failing run's traceback as plain text in its output
     }
-    env.pop("DAPO_CRASH_AT", None)
+    for leaked in ("DAPO_CRASH_AT", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(leaked, None)  # in-process trainer tests leave torch.distributed's variables set
     if crash_at:
         env["DAPO_CRASH_AT"] = crash_at
     overrides = json.dumps({**SMALL, "seed": seed})
