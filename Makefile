@@ -27,7 +27,7 @@ run: setup
 	$(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not vllm and not deepspeed"
