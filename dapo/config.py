@@ -322,7 +322,7 @@ class DAPOConfig:
     def step_config(self) -> "DAPOConfig":
         """What the step tasks receive and are cached on: every field but RUN_FIELDS, which
         are at their defaults there (no step reads them)."""
-        return self.only(self.step_dict())
+        return type(self)(**self.step_dict())
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DAPOConfig":
