@@ -1,0 +1,72 @@
+"""The cluster cost model of benchmarks/cluster_cost.py: its claims hold for every input it prints."""
+
+import dataclasses
+
+import pytest
+
+from benchmarks import cluster_cost as cc
+from dapo.config import DAPOConfig
+
+LOW, HIGH = cc.scenarios(cc.handoff_figures(cc.RESULTS.read_text()))
+CHUNKS = (1, 2, 5, 10, 50, 200)
+BIG = next(model for model in cc.MODELS if model.name == "32B")
+
+
+@pytest.mark.parametrize("scenario", [LOW, HIGH], ids=lambda s: s.name)
+@pytest.mark.parametrize("model", cc.MODELS, ids=lambda m: m.name)
+def test_colocated_moves_and_restarts_less_than_per_stage_for_any_chunk(model, scenario):
+    per_stage = cc.step_cost(model, "per_stage", 1, scenario)
+    for n in CHUNKS:
+        colocated = cc.step_cost(model, "colocated", n, scenario)
+        assert colocated.bytes_moved < per_stage.bytes_moved
+        assert colocated.overhead_s < per_stage.overhead_s
+        assert colocated.vllm_starts == pytest.approx(per_stage.vllm_starts / n)  # one start a chunk, per engine
+        assert colocated.checkpoint_writes == pytest.approx(1 / n)
+
+
+@pytest.mark.parametrize("scenario", [LOW, HIGH], ids=lambda s: s.name)
+@pytest.mark.parametrize("model", cc.MODELS, ids=lambda m: m.name)
+def test_overhead_share_falls_with_the_chunk_length(model, scenario):
+    shares = [cc.step_cost(model, "colocated", n, scenario).share for n in CHUNKS]
+    assert all(a > b for a, b in zip(shares, shares[1:]))
+    assert cc.step_cost(model, "per_stage", 1, scenario).share == cc.step_cost(model, "per_stage", 50, scenario).share
+
+
+@pytest.mark.parametrize("mode", cc.MODES)
+def test_bytes_scale_linearly_with_parameters(mode):
+    double = dataclasses.replace(BIG, billions=2 * BIG.billions)
+    for n in CHUNKS:
+        assert cc.step_cost(double, mode, n, HIGH).bytes_moved == pytest.approx(2 * cc.step_cost(BIG, mode, n, HIGH).bytes_moved)
+
+
+@pytest.mark.parametrize("scenario", [LOW, HIGH], ids=lambda s: s.name)
+def test_recommended_chunk_is_the_smallest_under_five_percent_at_32b(scenario):
+    n = cc.chunk_for_share(BIG, scenario)
+    assert n > 1
+    assert cc.step_cost(BIG, "colocated", n, scenario).share < 0.05 <= cc.step_cost(BIG, "colocated", n - 1, scenario).share
+
+
+def test_high_end_costs_more_than_low_end():
+    for model in cc.MODELS:
+        for mode in cc.MODES:
+            assert cc.step_cost(model, mode, 10, LOW).overhead_s < cc.step_cost(model, mode, 10, HIGH).overhead_s
+
+
+def test_32b_is_the_paper_preset_and_bytes_match_the_measured_checkpoint():
+    paper = DAPOConfig.paper_32b()
+    assert BIG.engines == paper.rollout_shards and BIG.gpus == paper.trainer_nnodes * paper.trainer_nproc_per_node
+    assert BIG.weights_bytes == pytest.approx(paper.weights_bytes) and BIG.checkpoint_bytes == pytest.approx(paper.checkpoint_bytes)
+    # The 16 B/param of bf16 training rests on the layout measured in fp32 (RESULTS.md section 4).
+    fp32 = paper.replace(dtype="float32")
+    measured = cc.handoff_figures(cc.RESULTS.read_text())
+    assert fp32.checkpoint_bytes / fp32.weights_bytes == pytest.approx(measured["ratio"], abs=0.01)
+    assert (cc.WEIGHT_BYTES_PER_PARAM, cc.CHECKPOINT_BYTES_PER_PARAM) == (2, 16)
+
+
+def test_unreachable_share_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="no steps_per_chunk"):
+        cc.chunk_for_share(BIG, HIGH, target=0.001)  # the per-step sync alone is above 0.1%
+    with pytest.raises(ValueError, match="steps_per_chunk"):
+        cc.step_cost(BIG, "colocated", 0, HIGH)
+    with pytest.raises(ValueError, match="mode"):
+        cc.step_cost(BIG, "actors", 1, HIGH)
