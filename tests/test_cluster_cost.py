@@ -16,9 +16,11 @@ BIG = next(model for model in cc.MODELS if model.name == "32B")
 @pytest.mark.parametrize("model", cc.MODELS, ids=lambda m: m.name)
 def test_colocated_moves_and_restarts_less_than_per_stage_for_any_chunk(model, scenario):
     per_stage = cc.step_cost(model, "per_stage", 1, scenario)
+    one_step_chunk = cc.step_cost(model, "colocated", 1, scenario)
     for n in CHUNKS:
         colocated = cc.step_cost(model, "colocated", n, scenario)
         assert colocated.bytes_moved < per_stage.bytes_moved
+        assert colocated.bytes_moved == pytest.approx(one_step_chunk.bytes_moved / n)  # one state load and save a chunk
         assert colocated.overhead_s < per_stage.overhead_s
         assert colocated.vllm_starts == pytest.approx(per_stage.vllm_starts / n)  # one start a chunk, per engine
         assert colocated.checkpoint_writes == pytest.approx(1 / n)
