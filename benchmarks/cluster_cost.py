@@ -257,6 +257,8 @@ def sources(low: Scenario, high: Scenario, handoff: dict[str, float]) -> list[st
         "(deepspeedai/DeepSpeed#7369), scaled by parameters",
         "- clusters: 32B as paper_32b (16 nodes x 8 GPUs, vLLM TP 4, 32 rollout pods); assumed 1.5B on 1 node (TP 1), "
         "7B on 4 nodes (TP 2); Qwen2.5 sizes 1.54B, 7.61B, 32.8B",
+        "- left out: pod scheduling and image pulls, Flyte's task overhead, validation, dynamic-sampling rounds past "
+        "the first (each costs per_stage another wave of rollout pods): per_stage's figures are a lower bound",
     ]
 
 
