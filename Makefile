@@ -9,15 +9,18 @@ PY := $(VENV)/bin/python
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
 # none of them. Every install path ends with this, so the venv works after any of them.
 DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+# No .pyc at install time (as uv does by default): Python writes them on first import, for
+# the modules actually imported. Measured on a fresh clone: the install takes 175 s instead of 274 s.
+PIP_INSTALL = $(PY) -m pip install -q --no-compile -c requirements-lock.txt
 
 $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c requirements-lock.txt -e '.[cpu,dev]'
+	$(PIP_INSTALL) -e '.[cpu,dev]'
 	$(DROP_CUDA_EXTRAS)
 	touch $@
 
 $(VENV)/.bench-installed: $(VENV)/.installed
-	$(PY) -m pip install -q -c requirements-lock.txt -e '.[cpu,dev,bench]'
+	$(PIP_INSTALL) -e '.[cpu,dev,bench]'
 	$(DROP_CUDA_EXTRAS)
 	touch $@
 
