@@ -7,6 +7,7 @@ the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached afte
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 
@@ -337,6 +338,16 @@ def test_deepspeed_accumulation_is_not_rescaled(deepspeed_run):
     assert ds["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert ds["pg_loss"] == pytest.approx(ref["pg_loss"], abs=1e-6)
     assert max_diff(deepspeed_run["after_first"], deepspeed_run["torch_after_first"]) < 1e-5
+
+
+@pytest.mark.deepspeed
+def test_a_lone_deepspeed_process_leaves_no_rendezvous_variables_behind(deepspeed_run):
+    """Its 1-rank group's port goes to torch, not into the environment that every process
+    started from this one inherits (a later run there would find the port taken)."""
+    import torch.distributed as dist
+
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} & set(os.environ)
 
 
 @pytest.mark.deepspeed

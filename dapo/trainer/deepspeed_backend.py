@@ -1,10 +1,9 @@
 """DeepSpeed backend: a DeepSpeed engine (ZeRO stage from the config) around the HF policy.
 
 CUDA on a cluster (one process per GPU, under torchrun / a PyTorchJob), CPU here
-(``DS_ACCELERATOR=cpu``, one process). Environment variables the launcher would set
-(MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) are filled in only where
-missing; the process group is initialised once per process and reused by every
-engine created later (local runs build one trainer per policy step in one process).
+(``DS_ACCELERATOR=cpu``, one process: a 1-rank group on a loopback port, see
+`init_distributed`). The process group is initialised once per process and reused by
+every engine created later (local runs build one trainer per policy step in one process).
 
 Gradient accumulation is ours, not DeepSpeed's: the config says
 ``gradient_accumulation_steps: 1`` and every backward goes through
@@ -56,25 +55,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_distributed_env() -> None:
-    """Single-process defaults for what torchrun would set; existing values win."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-
-
 def init_distributed() -> None:
-    """Initialise the process group once per process (later engines reuse it)."""
-    ensure_distributed_env()
+    """Initialise the process group once per process (later engines reuse it).
+
+    Under a launcher (torchrun, a PyTorchJob's workers) its env:// variables say where. A lone
+    process gets a 1-rank group on a free loopback port, handed to torch rather than written
+    into os.environ: every process started later from this one (the next run, a test's
+    subprocess) would inherit that MASTER_PORT, and it may be taken by then (EADDRINUSE).
+    """
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read when DeepSpeed picks its accelerator
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine takes its device from it, only from there
     import deepspeed
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ:
         deepspeed.init_distributed()
+    else:
+        deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def deepspeed_config(config: DAPOConfig, world_size: int) -> dict[str, Any]:
