@@ -1,10 +1,11 @@
-"""The whole local `dapo_loop`, 2 steps, on each policy layout users bring (issue 12):
-untied and tied embeddings, fp32 and bf16 (on CPU), a ChatML tokenizer with its own chat
-template and eos (<|im_end|>), model_path given as a local Hugging Face directory.
+"""The whole local `dapo_loop`, 2 steps, on the policy layouts users bring (issue 12): the
+common small model (tied embeddings, bf16 on CPU) and an untied fp32 control, each with a
+ChatML tokenizer with its own chat template and eos (<|im_end|>), model_path given as a
+local Hugging Face directory. (The tied fp32 reload is checked to the last bit in-process,
+tests/test_weight_sync.py.)
 
-All four runs share one subprocess (tests/run_policy_matrix.py: a fresh Flyte cache
-under HOME, one vLLM import, one DeepSpeed JIT build): ~2 min on the 2-core dev machine
-(the first vLLM start ~30 s, then ~14-18 s a run). Step 2 samples from the step-1
+Both runs share one subprocess (tests/run_policy_matrix.py: a fresh Flyte cache under
+HOME, one vLLM import, one DeepSpeed JIT build). Step 2 samples from the step-1
 checkpoint reloaded into the live engine in place, so a tied policy that the reload got
 wrong would show here as a guard regeneration (and, before the fix, as a 0.3+ nat gap).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MATRIX = ["untied:float32", "tied:float32", "untied:bfloat16", "tied:bfloat16"]
+MATRIX = ["untied:float32", "tied:bfloat16"]
 EXPECTED_GAP = {"float32": 1e-5, "bfloat16": 0.05}  # measured: fp32 3-4e-7, bf16 0.006-0.007
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -35,8 +36,7 @@ def matrix(tmp_path_factory):
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     }
-    for leaked in ("DAPO_CRASH_AT", "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(leaked, None)  # in-process trainer tests leave torch.distributed's variables set
+    env.pop("DAPO_CRASH_AT", None)
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "run_policy_matrix.py"), str(work), *MATRIX],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True,
