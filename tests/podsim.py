@@ -15,6 +15,9 @@ Propeller    a small flytepropeller: runs nodes in dependency order; a task node
              and the container's env); a dynamic task's futures.pb is executed in turn;
              ArrayNodes run one pod per index; branches are decided and sub-workflows
              expanded here; a multi-node PyTorchJob runs its workers as concurrent pods.
+             As in propeller, nodes run as soon as their inputs are ready, side by side
+             (the ready nodes of a workflow, the indices of an ArrayNode), at most
+             `parallelism` pods at a time.
 
     python tests/podsim.py register OUT STORE -- workflows/dapo.py dapo_loop   (what register() runs)
 """
@@ -29,7 +32,9 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,9 +166,14 @@ class ImageEnvs:
     def __init__(self, root: Path):
         self.root = root
         self.site = Path(sysconfig.get_paths()["purelib"])
+        self._lock = threading.Lock()  # pods starting side by side may ask for the same image
 
     def python(self, missing: frozenset[str]) -> Path:
         """The interpreter of the venv lacking `missing` (distribution names); made once."""
+        with self._lock:
+            return self._make(missing)
+
+    def _make(self, missing: frozenset[str]) -> Path:
         name = "img-" + ("-".join(sorted(missing)) or "full")
         venv = self.root / name
         if not (venv / "bin" / "pyflyte-map-execute").exists():
@@ -215,16 +225,21 @@ class Propeller:
     """Executes nodes like flytepropeller, each task as pods (see the module docstring).
 
     python_for(template) -> the interpreter of the image the template names.
+    parallelism: pods running at once (a multi-worker PyTorchJob counts as one).
     """
 
     store: Path
     python_for: object
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 600
+    parallelism: int = 2
     pods: list[Pod] = field(default_factory=list)
     dynamic_specs: dict[str, dynamic_job_pb2.DynamicJobSpec] = field(default_factory=dict)
     echoed: list[str] = field(default_factory=list)  # echo tasks run (in propeller, no pod)
     image_env: dict[str, dict[str, str]] = field(default_factory=dict)  # what each registered image sets
+
+    def __post_init__(self):
+        self._slots = threading.Semaphore(self.parallelism)
 
     # -- one pod
     def run_pod(self, node: str, template: tasks_pb2.TaskTemplate, inputs: literals_pb2.LiteralMap, prefix: Path,
@@ -249,6 +264,12 @@ class Propeller:
                "FLYTE_INTERNAL_TASK_VERSION": template.id.version, "FLYTE_ATTEMPT_NUMBER": "0", **(extra_env or {})}
         if workers > 1:  # a PyTorchJob: what the training-operator gives each worker pod
             env.update({"PET_NNODES": str(workers), "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"localhost:{_free_port()}"})
+        with self._slots:
+            pods = self._run_workers(node, template, prefix, args, env, workers)
+        self.pods.extend(pods)
+        return next((p for p in pods if p.failed), pods[0])
+
+    def _run_workers(self, node, template, prefix: Path, args: list[str], env: dict[str, str], workers: int) -> list[Pod]:
         procs = []
         for worker in range(workers):
             cwd = prefix / (f"root-{worker}" if workers > 1 else "root")  # the image's /root: empty but for the tarball
@@ -266,8 +287,7 @@ class Propeller:
             log.seek(0)
             pods.append(Pod(node, template, prefix, cwd, code, log.read()))
             log.close()
-        self.pods.extend(pods)
-        return next((p for p in pods if p.failed), pods[0])
+        return pods
 
     # -- nodes
     def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
@@ -305,14 +325,22 @@ class Propeller:
         """A workflow's nodes in dependency order; returns the workflow outputs."""
         results = {"start-node": inputs}
         pending = [n for n in nodes if n.id not in ("start-node", "end-node")]
-        while pending:
-            ready = [n for n in pending if _upstream(n) <= results.keys()]
-            if not ready:
-                raise RuntimeError(f"unsatisfiable dependencies: {[n.id for n in pending]}")
-            for node in ready:
-                pending.remove(node)
-                node_inputs = literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in node.inputs})
-                results[node.id] = self.run_node(node, node_inputs, tasks, subworkflows, prefix / node.id, results)
+        with ThreadPoolExecutor(max(1, len(pending))) as pool:
+            running = {}
+            while pending or running:
+                for node in [n for n in pending if _upstream(n) <= results.keys()]:
+                    pending.remove(node)
+                    node_inputs = literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in node.inputs})
+                    running[pool.submit(self.run_node, node, node_inputs, tasks, subworkflows, prefix / node.id, dict(results))] = node
+                if not running:
+                    raise RuntimeError(f"unsatisfiable dependencies: {[n.id for n in pending]}")
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    node = running.pop(future)
+                    if future.exception():  # a failed node fails the workflow once its siblings end
+                        wait(running)
+                        raise future.exception()
+                    results[node.id] = future.result()
         return literals_pb2.LiteralMap(literals={b.var: _resolve(b.binding, results) for b in output_bindings})
 
     def run_node(self, node, inputs, tasks, subworkflows, prefix: Path, results) -> literals_pb2.LiteralMap:
@@ -346,16 +374,19 @@ class Propeller:
         template = tasks[_key(array.node.task_node.reference_id)]
         mapped = [k for k, v in template.interface.inputs.variables.items() if v.type.HasField("collection_type")]
         size = len(inputs.literals[mapped[0]].collection.literals)
-        gathered = {name: literals_pb2.LiteralCollection() for name in template.interface.outputs.variables}
-        for index in range(size):
+
+        def run_index(index: int) -> literals_pb2.LiteralMap:
             sub = prefix / str(index)
             env = {"BATCH_JOB_ARRAY_INDEX_VAR_NAME": "FLYTE_K8S_ARRAY_INDEX", "FLYTE_K8S_ARRAY_INDEX": str(index)}
             pod = self.run_pod(str(sub.relative_to(self.store)), template, inputs, sub, extra_env=env)
             if pod.failed:
                 raise PodFailed(pod)
-            outputs = _read(literals_pb2.LiteralMap, sub / "outputs.pb")
-            for name in gathered:
-                gathered[name].literals.append(outputs.literals[name])
+            return _read(literals_pb2.LiteralMap, sub / "outputs.pb")
+
+        with ThreadPoolExecutor(max(1, size)) as pool:
+            outputs = list(pool.map(run_index, range(size)))  # in index order, whichever pod ends first
+        gathered = {name: literals_pb2.LiteralCollection(literals=[o.literals[name] for o in outputs])
+                    for name in template.interface.outputs.variables}
         return literals_pb2.LiteralMap(literals={k: literals_pb2.Literal(collection=v) for k, v in gathered.items()})
 
 
