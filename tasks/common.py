@@ -12,6 +12,7 @@ from typing import Annotated
 
 from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
+from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
@@ -199,6 +200,26 @@ class ArrowParquetDecoder(ParquetToArrowDecodingHandler):
 
 
 StructuredDatasetTransformerEngine.register(ArrowParquetDecoder(), override=True)
+
+
+class ConfigTransformer(DataclassTransformer):
+    """flytekit's dataclass transformer for DAPOConfig, its literal type built once.
+
+    flytekit rebuilds a dataclass's literal type, JSON schema included, for every node that
+    takes one: ~0.1 s for DAPOConfig, so compiling the `train` dynamic of a 1,000-step
+    paper_32b run took ~22 s of its pod, and every 10-step chunk ~14 s. Values are encoded
+    exactly as by flytekit's own."""
+
+    def __init__(self):
+        super().__init__()
+        self._t, self._name = DAPOConfig, "DAPOConfig"
+
+    @functools.lru_cache(maxsize=1)  # noqa: B019 (one transformer per process)
+    def get_literal_type(self, t: type) -> object:
+        return super().get_literal_type(t)
+
+
+TypeEngine.register(ConfigTransformer())
 
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""

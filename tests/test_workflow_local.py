@@ -25,7 +25,7 @@ SMALL = {
 }
 BUCKET = "dapo"
 LOCAL_CACHE = ".flyte/local-cache"  # flytekit's local cache, under HOME
-SETUP_TASKS = (".resolve_config", ".prepare_data", ".bootstrap_policy")
+SETUP_TASKS = ("tasks.data.resolve_config-", "tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
@@ -103,8 +103,13 @@ def new_home(tmp_path_factory, setup_from: Path | None = None) -> Path:
         from diskcache import Cache
 
         with Cache(str(setup_from / LOCAL_CACHE)) as source, Cache(str(home / LOCAL_CACHE)) as target:
-            copied = [target.set(key, source[key]) for key in source.iterkeys() if key.split("-")[0].endswith(SETUP_TASKS)]
-        assert len(copied) == len(SETUP_TASKS), copied
+            copied = set()
+            for key in source.iterkeys():
+                task = next((t for t in SETUP_TASKS if key.startswith(t)), None)
+                if task:
+                    target[key] = source[key]
+                    copied.add(task)
+        assert copied == set(SETUP_TASKS), copied
     return home
 
 
