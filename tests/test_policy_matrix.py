@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from machine_caches import machine_caches
+
 REPO = Path(__file__).resolve().parent.parent
 MATRIX = ["untied:float32", "tied:bfloat16"]
 EXPECTED_GAP = {"float32": 1e-5, "bfloat16": 0.05}  # measured: fp32 3-4e-7, bf16 0.006-0.007
@@ -32,7 +34,7 @@ def matrix(tmp_path_factory):
     env = {
         **os.environ,
         "HOME": str(work / "home"),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
+        **machine_caches(),
         "PYTHONPATH": str(REPO),
         "PYTHONUNBUFFERED": "1",
     }

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from machine_caches import machine_caches
+
 REPO = Path(__file__).resolve().parent.parent
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 # Small enough for a 2-core CI machine: a short warm start, few prompts, 2 steps.
@@ -36,7 +38,7 @@ def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int =
     env = {
         **os.environ,
         "HOME": str(home),  # flytekit's local cache lives under ~/.flyte: one per module
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
+        **machine_caches(),
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
         "PYTHONUNBUFFERED": "1",
         "FLYTE_AWS_ENDPOINT": s3, "FLYTE_AWS_ACCESS_KEY_ID": "test", "FLYTE_AWS_SECRET_ACCESS_KEY": "test",
