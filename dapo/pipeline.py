@@ -127,12 +127,14 @@ def round_prompts(config: DAPOConfig, records: list[PromptRecord], step: int, ro
 
 
 def rollout(
-    config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round_index: int, shard: int = 0, progress=None
+    config: DAPOConfig, policy_dir: str, data_dir: str, step: int, round_index: int, shard: int = 0, progress=None, engine=None
 ) -> tuple[pa.Table, dict[str, float]]:
     """Sample G responses for each prompt of this round's slice `shard` (of config.rollout_shards).
 
     The shard's sampling seed is derived from (seed, step, round, shard); group ids hold
-    the prompt's index in the whole round, so they are unique across shards.
+    the prompt's index in the whole round, so they are unique across shards. engine: a
+    rollout engine that already holds the policy (colocated mode: synced in memory);
+    default: the process's engine on policy_dir's weights.
     """
     from dapo.rollout import SamplingSettings
 
@@ -140,7 +142,7 @@ def rollout(
     chosen = round_prompts(config, records, step, round_index)
     start, end = shard_bounds(len(chosen), config.rollout_shards, shard)
     indices = list(range(start, end))
-    engine = policy_engine(config, policy_dir)
+    engine = engine if engine is not None else policy_engine(config, policy_dir)
     tokenizer = engine.tokenizer
     texts = [render_prompt(chosen[i], tokenizer) for i in indices]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -185,6 +187,19 @@ def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
     seconds = max((m.get("rollout/seconds", 0.0) for m in metrics), default=0.0)
     merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def sample_batch(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, engine=None) -> tuple[pa.Table, SamplingState]:
+    """One step's generation rounds in this process, as dapo_loop's sample_round nodes run
+    them (every shard's rollout, rewards, dynamic sampling) until the batch is done.
+    engine: as for rollout."""
+    batch, state = None, SamplingState()
+    while not state.done:
+        shards = [with_rollout_metrics(*rollout(config, policy_dir, data_dir, step, state.rounds, shard, engine=engine))
+                  for shard in range(config.rollout_shards)]
+        responses, metrics = merge_shards(shards)
+        batch, state = filter_groups(config, verify_rewards(config, responses, step), batch, state, metrics)
+    return batch, state
 
 
 # --- rewards and dynamic sampling ----------------------------------------------------
@@ -343,31 +358,48 @@ def policy_step(
     config: DAPOConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path,
     regenerate="default",
 ) -> dict[str, float]:
-    """One DAPO update on the filtered batch; writes the next checkpoint to out_dir.
+    """One DAPO update on the filtered batch by a trainer started on policy_dir for this step
+    (the per-stage path); writes the next checkpoint to out_dir.
 
-    A batch short of train_prompt_bsz groups is trained on, or skipped when
-    on_short_batch="skip"; an empty one is always skipped. A skipped step writes the
-    unchanged policy (optimizer state included) so the run goes on. Under a launcher
-    with several ranks every rank calls this with the same out_dir: all take part in the
-    update and in saving (collectives), and the metrics are the same on every rank.
+    A skipped step (`skips_update`, or the rollout guard: see `train_on_batch`) writes the
+    unchanged policy (optimizer state included) so the run goes on. Under a launcher with
+    several ranks every rank calls this with the same out_dir: all take part in the update
+    and in saving (collectives), and the metrics are the same on every rank.
 
-    The rollout guard: when the batch's rollout log-probs differ from the trainer's by more
-    than config.rollout_gap_threshold (mean per token), nothing is trained on it; the batch
-    is regenerated (`regenerate(batch)`, default: `default_regenerator`, a fresh rollout
-    engine on policy_dir) and the update runs on the new batch if its gap is within the
-    threshold. Otherwise (or with no way to regenerate here) the step writes the unchanged
-    policy and returns guard/stopped = 1: `check_rollout_guard` then stops the run, after
-    the metrics reach MLflow. Metrics guard/threshold, guard/rollout_logprob_gap (the
-    first batch's gap), guard/regenerated and guard/stopped are always returned.
+    regenerate: how a batch the rollout guard refuses is regenerated (`regenerate(batch)`);
+    default: `default_regenerator`, a fresh rollout engine on policy_dir.
     """
     from dapo.trainer import launcher_rank, make_trainer
-    from dapo.update import RolloutGapExceeded, policy_update
 
+    def skip() -> dict[str, float]:
+        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
+            copy_checkpoint(policy_dir, out_dir, step)
+        metrics["step/skipped"] = 1.0
+        return metrics
+
+    metrics = step_metrics(config, batch, state)
+    if skips_update(config, batch, state, step):
+        crash_point("policy_step", step)  # the kill tests reach this task on either path
+        return skip()
+    if regenerate == "default":
+        regenerate = default_regenerator(config, policy_dir, step)
+    trainer = make_trainer(config, policy_dir)
+    try:
+        if not train_on_batch(trainer, config, batch, step, metrics, regenerate, policy_dir):
+            return skip()
+        crash_point("policy_step", step)
+        trainer.save(str(out_dir))
+    finally:
+        trainer.close()
+    return metrics
+
+
+def step_metrics(config: DAPOConfig, batch: pa.Table, state: SamplingState) -> dict[str, float]:
+    """A policy step's metrics known before its update: the batch's groups, the sampling
+    rounds' counts and rollout throughput, and the guard's starting values."""
     group_ids = batch.column("group_id").to_pylist()
-    groups = len(set(group_ids))
-    threshold = config.rollout_gap_threshold
-    metrics: dict[str, float] = {
-        "sampling/kept_groups": float(groups),
+    return {
+        "sampling/kept_groups": float(len(set(group_ids))),
         # groups with a non-zero advantage somewhere, whether or not dynamic sampling ran
         "sampling/informative_groups": float(len(informative_groups(batch.column("reward").to_pylist(), group_ids))),
         "sampling/rounds": float(state.rounds),
@@ -376,61 +408,70 @@ def policy_step(
         "rollout/seconds": state.rollout_seconds,
         "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,
         "step/skipped": 0.0,
-        "guard/threshold": threshold,
+        "guard/threshold": config.rollout_gap_threshold,
         "guard/regenerated": 0.0,
         "guard/stopped": 0.0,
     }
 
-    def skip() -> dict[str, float]:
-        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
-            copy_checkpoint(policy_dir, out_dir, step)
-        metrics["step/skipped"] = 1.0
-        return metrics
 
-    short = groups < config.train_prompt_bsz
-    if groups == 0 or (short and config.on_short_batch == "skip"):
+def skips_update(config: DAPOConfig, batch: pa.Table, state: SamplingState, step: int) -> bool:
+    """Whether the step skips its update for want of groups (an empty batch; a short one
+    with on_short_batch="skip"); logs why, and a short batch that is trained on."""
+    groups, target = len(set(batch.column("group_id").to_pylist())), config.train_prompt_bsz
+    if groups == 0 or (groups < target and config.on_short_batch == "skip"):
         logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
-                       step, groups, state.rounds, config.train_prompt_bsz, config.on_short_batch)
-        crash_point("policy_step", step)  # the kill tests reach this task on either path
-        return skip()
-    if short:
-        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, config.train_prompt_bsz, state.rounds)
-    if regenerate == "default":
-        regenerate = default_regenerator(config, policy_dir, step)
-    trainer = make_trainer(config, policy_dir)
+                       step, groups, state.rounds, target, config.on_short_batch)
+        return True
+    if groups < target:
+        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, target, state.rounds)
+    return False
+
+
+def train_on_batch(
+    trainer, config: DAPOConfig, batch: pa.Table, step: int, metrics: dict[str, float], regenerate, policy_label: str = ""
+) -> bool:
+    """One DAPO update of `trainer` on the batch, behind the rollout guard; adds the update's
+    metrics (actor/, train/, guard/) to `metrics`. Returns whether the policy was updated.
+
+    The rollout guard: when the batch's rollout log-probs differ from the trainer's by more
+    than config.rollout_gap_threshold (mean per token), nothing is trained on it; the batch
+    is regenerated (`regenerate(batch)`) and the update runs on the new batch if its gap is
+    within the threshold. Otherwise (or with regenerate None) nothing is trained, and
+    guard/stopped = 1: `check_rollout_guard` then stops the run, after the metrics reach
+    MLflow. guard/rollout_logprob_gap is the first batch's gap. policy_label names the
+    policy in the messages (the per-stage path: its checkpoint).
+    """
+    from dapo.update import RolloutGapExceeded, policy_update
+
+    threshold = config.rollout_gap_threshold
     try:
+        update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+    except RolloutGapExceeded as exceeded:
+        metrics["guard/rollout_logprob_gap"] = exceeded.gap
+        if regenerate is None:
+            metrics["guard/stopped"] = 1.0
+            logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_label, regenerated=False))
+            return False
+        logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
+                       "and regenerating it", step, exceeded.gap, threshold, policy_label or "the policy")
+        metrics["guard/regenerated"] = 1.0
+        batch = regenerate(batch)
+        metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
+        if batch.num_rows == 0:
+            logger.warning("step %d skipped: the regenerated batch has no informative group", step)
+            return False
         try:
             update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
-        except RolloutGapExceeded as exceeded:
-            metrics["guard/rollout_logprob_gap"] = exceeded.gap
-            if regenerate is None:
-                metrics["guard/stopped"] = 1.0
-                logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_dir, regenerated=False))
-                return skip()
-            logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
-                           "and regenerating it", step, exceeded.gap, threshold, policy_dir)
-            metrics["guard/regenerated"] = 1.0
-            batch = regenerate(batch)
-            metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
-            if batch.num_rows == 0:
-                logger.warning("step %d skipped: the regenerated batch has no informative group", step)
-                return skip()
-            try:
-                update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
-            except RolloutGapExceeded as again:
-                metrics["guard/stopped"] = 1.0
-                metrics["guard/regenerated_logprob_gap"] = again.gap
-                logger.error("%s", rollout_guard_message(config, again.gap, step, policy_dir))
-                return skip()
-        else:
-            metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
-        crash_point("policy_step", step)
-        metrics.update({f"actor/{key}": value for key, value in update.items()})
-        trainer.save(str(out_dir))
-    finally:
-        trainer.close()
+        except RolloutGapExceeded as again:
+            metrics["guard/stopped"] = 1.0
+            metrics["guard/regenerated_logprob_gap"] = again.gap
+            logger.error("%s", rollout_guard_message(config, again.gap, step, policy_label))
+            return False
+    else:
+        metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
+    metrics.update({f"actor/{key}": value for key, value in update.items()})
     metrics.update(batch_metrics(batch, prefix="train/"))
-    return metrics
+    return True
 
 
 class TooManyBadSteps(RuntimeError):

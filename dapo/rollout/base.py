@@ -30,9 +30,13 @@ import json
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +165,7 @@ def stop_token_ids(tokenizer, model_dir: str | os.PathLike) -> list[int]:
 class RolloutEngine(ABC):
     """Generates sampled completions with per-token log-probs; swaps weights in place.
 
-    Subclasses implement `_generate`, `_load_weights` and `_close`.
+    Subclasses implement `_generate`, `_load_weights`, `_load_tensors` and `_close`.
     """
 
     backend: str = ""
@@ -217,6 +221,14 @@ class RolloutEngine(ABC):
         self.model_dir = checkpoint_dir
         self.weights_fingerprint = fingerprint
 
+    def load_weights_from_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Swap to weights held in memory, in place: (Hugging Face name, tensor) pairs of this
+        architecture, e.g. a colocated trainer's parameters (PolicyTrainer.named_weights).
+        No file is read or written."""
+        self._check_open()
+        self._load_tensors(named_tensors)
+        self.weights_fingerprint = None  # no file holds the live weights: a later load_weights always reloads
+
     def close(self) -> None:
         """Release the engine; idempotent."""
         if self._closed:
@@ -255,6 +267,9 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _load_weights(self, checkpoint_dir: str) -> None: ...
+
+    @abstractmethod
+    def _load_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
 
     @abstractmethod
     def _close(self) -> None: ...

@@ -140,19 +140,24 @@ class HFRolloutEngine(RolloutEngine):
 
     # --- weights and lifetime -------------------------------------------------
     def _load_weights(self, checkpoint_dir: str) -> None:
-        state = dict(iter_safetensors(checkpoint_dir))
-        params = dict(self.model.named_parameters())
-        missing = [name for name in params if name not in state]
-        unexpected = [name for name in state if name not in params]
-        if missing or unexpected:
+        if not self._copy_into_parameters(dict(iter_safetensors(checkpoint_dir))):
             # Other key layouts (tied embeddings, renamed modules): let transformers map them.
-            logger.info("%s: keys differ from the live model (%d missing, %d unexpected); reloading with from_pretrained",
-                        checkpoint_dir, len(missing), len(unexpected))
+            logger.info("%s: keys differ from the live model's parameters; reloading with from_pretrained", checkpoint_dir)
             self.model = self._load_model(checkpoint_dir)
-            return
+
+    def _load_tensors(self, named_tensors) -> None:
+        if not self._copy_into_parameters(dict(named_tensors)):
+            raise ValueError("the tensors' names are not the live model's parameter names")
+
+    def _copy_into_parameters(self, state: dict) -> bool:
+        """Copy state into the live parameters if it names exactly them; False (nothing copied) otherwise."""
+        params = dict(self.model.named_parameters())
+        if set(state) != set(params):
+            return False
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(state[name].to(dtype=param.dtype, device=param.device))
+        return True
 
     def _close(self) -> None:
         self.model = None

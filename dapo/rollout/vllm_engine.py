@@ -177,7 +177,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._serving_threads = 1
         self.start_seconds = 0.0
         self.last_reload_seconds = 0.0
-        self.last_reload_mode = ""  # "in_place" or "restart"
+        self.last_reload_mode = ""  # "in_place", "restart" or "in_memory"
         self._tied_aliases: dict[str, str] | None = None
         self._start(self.model_dir)
 
@@ -382,13 +382,12 @@ class VLLMRolloutEngine(RolloutEngine):
             self._restart(checkpoint_dir, started)
             return
         try:
-            with self._vllm_call() as llm:
-                if self._inprocess:
-                    weights = weights_with_tied_aliases(iter_safetensors(checkpoint_dir), self._tied_aliases or {})
-                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-                else:
+            if self._inprocess:
+                self._reload_in_process(iter_safetensors(checkpoint_dir))
+            else:
+                with self._vllm_call() as llm:
                     llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
-                llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+                    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         except Exception:
             logger.warning("in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True)
             self._restart(checkpoint_dir, started)
@@ -396,6 +395,39 @@ class VLLMRolloutEngine(RolloutEngine):
         self.last_reload_mode = "in_place"
         self.last_reload_seconds = time.perf_counter() - started
         logger.info("reloaded weights from %s in %.2f s", checkpoint_dir, self.last_reload_seconds)
+
+    def _load_tensors(self, named_tensors) -> None:
+        """The in-memory sync: the tensors go through the same in-place reload as a checkpoint's
+        (tied aliases included); unlike it, there is no file to restart the engine on, so
+        what cannot be reloaded in place raises."""
+        if not self._inprocess:
+            raise RuntimeError(
+                "in-memory weight sync needs the vLLM engine in this process (tensor_parallel_size=1 and "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0); with worker processes, load a checkpoint (load_weights)"
+            )
+        started = time.perf_counter()
+        names: list[str] = []
+
+        def recorded():  # streamed, not collected: a gathered (ZeRO-3) tensor lives only while vLLM copies it
+            for name, tensor in named_tensors:
+                names.append(name)
+                yield name, tensor
+
+        self._reload_in_process(recorded())
+        missing = sorted(c for a, c in (self._tied_aliases or {}).items() if a not in names and c not in names)
+        if missing:
+            raise RuntimeError(f"tied parameter(s) {missing} not among the synced tensors: the engine holds stale weights")
+        self.last_reload_mode = "in_memory"
+        self.last_reload_seconds = time.perf_counter() - started
+        logger.info("synced %d tensors into vLLM in memory in %.3f s", len(names), self.last_reload_seconds)
+
+    def _reload_in_process(self, weights) -> None:
+        """vLLM's in-place reload from (name, tensor) pairs, each tied alias added
+        (weights_with_tied_aliases), then a prefix-cache reset: its KV blocks were computed
+        with the old weights."""
+        with self._vllm_call() as llm:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_with_tied_aliases(weights, self._tied_aliases or {})})
+            llm.reset_prefix_cache()
 
     def restart(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
         """Shut the engine down and start a fresh one on checkpoint_dir (default: the current

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,13 @@ class PolicyTrainer(ABC):
             entropy = self.all_reduce_sum(entropy)
         mask = batch.response_mask.to(torch.float32)
         return log_probs * mask, entropy * mask
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's parameters under their Hugging Face names, a shared (tied) one once, as
+        save_pretrained writes them, without copies: what a colocated rollout engine loads in
+        memory after an update. Buffers are left out: updates do not change them."""
+        for name, param in self.module.named_parameters():
+            yield name, param.detach()
 
     def finish_step(self, step: int, applied_updates: int) -> None:
         self.state.next_step = step + 1

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,19 @@ class DeepSpeedTrainer(PolicyTrainer):
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The HF model's parameters (not the engine's "module."-prefixed names); under ZeRO-3
+        each is gathered whole in turn and copied (its gathered storage is released after)."""
+        if self.stage != 3:
+            for name, param in self.engine.module.named_parameters():
+                yield name, param.detach()
+            return
+        import deepspeed
+
+        for name, param in self.engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.detach().clone()
 
     # --- distributed helpers ----------------------------------------------------------
     def barrier(self) -> None:
