@@ -62,15 +62,20 @@ def assert_same_steps(stage_metrics: list[dict], colocated_metrics: list[dict], 
     assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
 
 
-def test_colocated_steps_are_the_per_stage_steps_hf_and_torch(tmp_path_factory, tmp_path):
-    """The fast check of the step logic: hf rollout and the torch trainer (no vLLM, no DeepSpeed)."""
+def hf_torch_run(tmp_path_factory, tmp_path) -> tuple[DAPOConfig, str, str]:
+    """A small run on hf rollout and the torch trainer (no vLLM, no DeepSpeed): (config, policy, data)."""
     policy_dir = shared_tiny_policy(tmp_path_factory)
     config = DAPOConfig.tiny_cpu().replace(
         model_path=policy_dir, rollout_backend="hf", trainer_backend="torch", dynamic_sampling=False, n_samples_per_prompt=4,
         train_prompt_bsz=2, gen_prompt_bsz=2, ppo_mini_batch_size=1, max_response_length=12, overlong_buffer_len=4, lr=1e-3,
     )
     pipeline.prepare_data(config, tmp_path / "data")
-    data = str(tmp_path / "data")
+    return config, policy_dir, str(tmp_path / "data")
+
+
+def test_colocated_steps_are_the_per_stage_steps_hf_and_torch(tmp_path_factory, tmp_path):
+    """The fast check of the step logic."""
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     with one_torch_thread():
         stage_metrics, stage_dir, _ = per_stage(config, policy_dir, data, 2, tmp_path / "stage")
         result = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "colocated")
@@ -78,6 +83,22 @@ def test_colocated_steps_are_the_per_stage_steps_hf_and_torch(tmp_path_factory, 
     assert [m["step/skipped"] for m in result.step_metrics] == [0.0, 0.0]
     assert_same_steps(stage_metrics, result.step_metrics, stage_dir, result.checkpoint_dir)
     assert not (tmp_path / "colocated" / "policy-1").exists()  # no checkpoint between the steps
+
+
+def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_fixes_the_batch(tmp_path_factory, tmp_path, monkeypatch):
+    """Step 1 samples from step 0's starting weights (the sync dropped): the guard refuses the
+    batch, the trainer's weights are written and a fresh engine regenerates the batch."""
+    from dapo.rollout.hf_engine import HFRolloutEngine
+
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    monkeypatch.setattr(HFRolloutEngine, "_load_tensors", lambda engine, named_tensors: None)
+    with one_torch_thread():
+        result = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "colocated")
+    last = result.step_metrics[1]
+    assert last["guard/rollout_logprob_gap"] > config.rollout_gap_threshold
+    assert (last["guard/regenerated"], last["guard/stopped"], last["step/skipped"]) == (1.0, 0.0, 0.0)
+    assert last["actor/rollout_logprob_diff"] < config.rollout_gap_threshold
+    assert (tmp_path / "colocated" / "regenerate-1" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """The policy step's model and optimizer behind one interface, and its checkpoint layout.
 
-One ``PolicyTrainer`` lives for one policy step: it loads the policy (and, when the
-checkpoint holds one, the optimizer state) at start, runs the updates
-(``dapo.update.policy_update``), writes the next checkpoint and is closed. Two
+One ``PolicyTrainer`` lives for one policy step (per-stage execution), or for the steps
+of a colocated run (``dapo.colocated``): it loads the policy (and, when the checkpoint
+holds one, the optimizer state) at start, runs the updates (``dapo.update.policy_update``),
+writes the next checkpoint and is closed. Two
 backends implement it:
 
 - ``deepspeed``: a DeepSpeed engine (ZeRO stage from the config), the production
