@@ -61,7 +61,9 @@ def run_colocated(
             metrics = step_metrics(config, batch, state)
             scratch = out_root / f"regenerate-{step}"
             regenerate = functools.partial(regenerate_on_trainer_weights, config, trainer, step=step, scratch_dir=scratch)
-            trained = not skips_update(config, batch, state, step) and train_on_batch(trainer, config, batch, step, metrics, regenerate, str(scratch))
+            trained = not skips_update(config, batch, state, step) and train_on_batch(
+                trainer, config, batch, step, metrics, regenerate, str(scratch)
+            )
             crash_point("policy_step", step)
             if metrics["guard/regenerated"]:
                 engine = policy_engine(config, str(scratch))  # the fresh engine the regeneration started
