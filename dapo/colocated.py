@@ -6,21 +6,25 @@ verify_rewards and filter_groups rounds), `skips_update`, `train_on_batch` (the 
 behind the rollout guard). What differs is the hand-over between steps: instead of a
 checkpoint written by one task and read by the next (trainer start, optimizer state load,
 engine reload), the trainer's new parameters go into the rollout engine in memory
-(`RolloutEngine.load_weights_from_tensors`). A checkpoint in the per-stage layout (weights
-and trainer state, `PolicyTrainer.save`) is written after the last step, and every
-`checkpoint_every` steps as a durable record to resume from.
+(`RolloutEngine.load_weights_from_tensors`). Checkpoints in the per-stage layout (weights
+and trainer state, `PolicyTrainer.save`) are written as records to resume from, not read
+back while the run goes on.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 
+from dapo import checkpoint
 from dapo.config import DAPOConfig
 from dapo.faults import crash_point
 from dapo.pipeline import policy_engine, regenerate_batch, sample_batch, skips_update, step_metrics, train_on_batch
@@ -31,31 +35,49 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ColocatedResult:
     checkpoint_dir: str
-    """The checkpoint after the last step run (out_root/policy-<steps done>)."""
+    """The checkpoint after the last step run (out_root/policy-<step + 1>)."""
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     """Per step: the per-stage path's metrics, plus policy_step/seconds (update and sync) and
     sync/seconds (the in-memory weight sync; absent when the step changed no weight)."""
 
 
+STEP_RECORDS = "steps"
+"""out_root/steps/<step>.json: the metrics of each completed step."""
+
+
 def run_colocated(
     config: DAPOConfig, policy_dir: str, data_dir: str, first_step: int, n_steps: int, out_root: str | Path,
-    checkpoint_every: int = 0,
+    checkpoint_every: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> ColocatedResult:
     """Steps [first_step, first_step + n_steps) in this process, from policy_dir's checkpoint
-    (its trainer state resumed when present); checkpoints go to out_root/policy-<steps done>:
-    after the last step, and after every checkpoint_every steps (0 = only the last).
+    (its trainer state resumed when present).
 
-    A step the rollout guard stops (guard/stopped) ends the run here, with its checkpoint
-    written: the caller logs the metrics, then calls check_rollout_guard, as per-stage.
+    Each step leaves a record in out_root as it completes: its metrics (steps/<step>.json),
+    then, every checkpoint_every steps and after the last, its checkpoint (policy-<step + 1>:
+    weights and trainer state, the per-stage layout). Called again on the same out_root (the
+    pod was killed, the task retried), it goes on after the newest checkpoint there: the
+    steps up to it are not run again and their metrics are read back. checkpoint_every=1
+    loses no finished step; a larger one writes less and reruns up to that many steps.
+
+    on_step(step, metrics) is called as each step completes, after its record (e.g. to log
+    it to MLflow while the run goes on). A step the rollout guard stops (guard/stopped)
+    ends the run there, with its checkpoint written: the caller then calls
+    check_rollout_guard, as per-stage.
     """
     from dapo.trainer import make_trainer
 
     out_root = Path(out_root)
+    result = completed_steps(out_root, first_step, n_steps)
+    done = len(result.step_metrics)
+    if done == n_steps or (done and result.step_metrics[-1]["guard/stopped"]):
+        return result
+    if done:
+        policy_dir = result.checkpoint_dir
+        logger.info("resuming after step %d from %s (%d of %d steps were done)", first_step + done - 1, policy_dir, done, n_steps)
     engine = policy_engine(config, policy_dir)
     trainer = make_trainer(config, policy_dir)
-    result = ColocatedResult(checkpoint_dir="")
     try:
-        for step in range(first_step, first_step + n_steps):
+        for step in range(first_step + done, first_step + n_steps):
             batch, state = sample_batch(config, policy_dir, data_dir, step, engine=engine)
             started = time.perf_counter()
             metrics = step_metrics(config, batch, state)
@@ -74,17 +96,40 @@ def run_colocated(
             else:
                 metrics["step/skipped"] = 1.0
             metrics["policy_step/seconds"] = time.perf_counter() - started
+            write_step_record(out_root, step, metrics)
             result.step_metrics.append(metrics)
             done = step + 1 - first_step
-            if done == n_steps or metrics["guard/stopped"] or (checkpoint_every and done % checkpoint_every == 0):
+            if done == n_steps or metrics["guard/stopped"] or done % max(1, checkpoint_every) == 0:
                 result.checkpoint_dir = str(out_root / f"policy-{step + 1}")
                 trainer.save(result.checkpoint_dir, step=step)
+            if on_step:
+                on_step(step, metrics)
             if metrics["guard/stopped"]:
                 logger.error("step %d: the rollout guard stopped the colocated run after %d of %d steps", step, done, n_steps)
                 break
     finally:
         trainer.close()
     return result
+
+
+def write_step_record(out_root: Path, step: int, metrics: dict[str, float]) -> None:
+    """steps/<step>.json, written whole or not at all."""
+    records = out_root / STEP_RECORDS
+    records.mkdir(parents=True, exist_ok=True)
+    scratch = records / f".{step}.json.tmp"
+    scratch.write_text(json.dumps(metrics, sort_keys=True))
+    os.replace(scratch, records / f"{step}.json")
+
+
+def completed_steps(out_root: Path, first_step: int, n_steps: int) -> ColocatedResult:
+    """What an earlier run on out_root finished: its newest complete checkpoint among these
+    steps and the metrics of every step up to it (an empty result when there is none)."""
+    for step in reversed(range(first_step, first_step + n_steps)):
+        checkpoint_dir = out_root / f"policy-{step + 1}"
+        if checkpoint.is_complete(checkpoint_dir):
+            metrics = [json.loads((out_root / STEP_RECORDS / f"{s}.json").read_text()) for s in range(first_step, step + 1)]
+            return ColocatedResult(str(checkpoint_dir), metrics)
+    return ColocatedResult(checkpoint_dir="")
 
 
 def regenerate_on_trainer_weights(config: DAPOConfig, trainer, batch: pa.Table, step: int, scratch_dir: Path) -> pa.Table:

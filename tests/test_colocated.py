@@ -6,6 +6,10 @@ per-stage checkpoint holds, and a trainer resumed from a checkpoint (weights and
 state) continues exactly as the resident one.
 """
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,11 +82,45 @@ def test_colocated_steps_are_the_per_stage_steps_hf_and_torch(tmp_path_factory, 
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     with one_torch_thread():
         stage_metrics, stage_dir, _ = per_stage(config, policy_dir, data, 2, tmp_path / "stage")
-        result = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "colocated")
+        result = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "colocated", checkpoint_every=2)
     assert result.checkpoint_dir == str(tmp_path / "colocated" / "policy-2")
     assert [m["step/skipped"] for m in result.step_metrics] == [0.0, 0.0]
     assert_same_steps(stage_metrics, result.step_metrics, stage_dir, result.checkpoint_dir)
-    assert not (tmp_path / "colocated" / "policy-1").exists()  # no checkpoint between the steps
+    assert not (tmp_path / "colocated" / "policy-1").exists()  # step 1 sampled from weights synced in memory
+
+
+KILLED_RUN = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from dapo.colocated import run_colocated
+from dapo.config import DAPOConfig
+run_colocated(DAPOConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], 0, 3, sys.argv[4])
+"""
+
+
+def test_a_killed_colocated_run_resumes_after_its_last_recorded_step(tmp_path_factory, tmp_path):
+    """3 steps, SIGKILLed in step 2's rollout, then again while writing step 2's checkpoint
+    (its metrics recorded, the checkpoint not in place): each run on the same out_root goes
+    on after the newest checkpoint there, and the last ends with the uninterrupted run's
+    steps and weights, bit for bit."""
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    with one_torch_thread():
+        whole = run_colocated(config, policy_dir, data, 0, 3, tmp_path / "whole")
+    out = tmp_path / "killed"
+    for crash_at, recorded in (("rollout@2", ["0.json", "1.json"]), ("checkpoint_commit@2", ["0.json", "1.json", "2.json"])):
+        env = {**os.environ, "DAPO_CRASH_AT": crash_at, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        killed = subprocess.run([sys.executable, "-c", KILLED_RUN, config.to_json(), policy_dir, data, str(out)],
+                                env=env, capture_output=True, text=True, timeout=600)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert sorted(p.name for p in (out / "steps").glob("*.json")) == recorded
+        assert not (out / "policy-3").exists()
+    ran = []
+    with one_torch_thread():
+        resumed = run_colocated(config, policy_dir, data, 0, 3, out, on_step=lambda step, metrics: ran.append(step))
+    assert ran == [2]  # steps 0 and 1 come from their records, step 2's metrics were written again
+    assert_same_steps(whole.step_metrics, resumed.step_metrics, whole.checkpoint_dir, resumed.checkpoint_dir)
+    assert run_colocated(config, policy_dir, data, 0, 3, out).step_metrics == resumed.step_metrics  # done: nothing runs
 
 
 def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_fixes_the_batch(tmp_path_factory, tmp_path, monkeypatch):
