@@ -100,7 +100,7 @@ APT_PACKAGES: dict[str, list[str]] = {
     "gpu": ["build-essential", "libaio-dev"],
 }
 
-ROLES = ("rollout", "trainer", "cpu")
+ROLES = ("rollout", "trainer", "cpu", "gpu")  # gpu: both engines, for colocated chunks
 
 
 def requirements(role: str) -> list[str]:

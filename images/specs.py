@@ -1,9 +1,10 @@
 """flytekit ImageSpec definitions for the DAPO tasks.
 
-Three images, one module:
+Four images, one module:
 
 * ``ROLLOUT_IMAGE``  vLLM (CUDA) for the rollout task.
 * ``TRAINER_IMAGE``  DeepSpeed + CUDA torch (+ flytekitplugins-kfpytorch) for policy_step.
+* ``GPU_IMAGE``      vLLM and DeepSpeed together, for a colocated chunk (both engines in one process).
 * ``CPU_IMAGE``      light image for prepare_data, verify_rewards, filter_groups,
                      evaluate bookkeeping and MLflow registration.
 
@@ -94,7 +95,7 @@ def make_spec(role: str, registry: str | None = None) -> ImageSpec:
     """Build a fresh ImageSpec for ``role`` (``rollout``, ``trainer`` or ``cpu``)."""
     if role not in ROLES:
         raise ValueError(f"unknown image role {role!r}; expected one of: {', '.join(ROLES)}")
-    gpu = role in ("rollout", "trainer")
+    gpu = role != "cpu"
     registry = registry or _registry()
     return ImageSpec(
         name=f"dapo-{role}",
@@ -114,11 +115,13 @@ def make_spec(role: str, registry: str | None = None) -> ImageSpec:
 ROLLOUT_IMAGE: ImageSpec = make_spec("rollout")
 TRAINER_IMAGE: ImageSpec = make_spec("trainer")
 CPU_IMAGE: ImageSpec = make_spec("cpu")
+GPU_IMAGE: ImageSpec = make_spec("gpu")
 
 _BY_ROLE: dict[str, ImageSpec] = {
     "rollout": ROLLOUT_IMAGE,
     "trainer": TRAINER_IMAGE,
     "cpu": CPU_IMAGE,
+    "gpu": GPU_IMAGE,
 }
 
 
@@ -138,6 +141,7 @@ def image_for(role: str) -> ImageSpec:
 __all__ = [
     "CPU_IMAGE",
     "DEFAULT_REGISTRY",
+    "GPU_IMAGE",
     "ROLES",
     "ROLLOUT_IMAGE",
     "TRAINER_IMAGE",

@@ -195,18 +195,18 @@ def test_explicit_registry_argument_wins():
 
 # --------------------------------------------------------------------------- image_for
 
-@pytest.mark.parametrize("role", ["rollout", "trainer", "cpu"])
+@pytest.mark.parametrize("role", ["rollout", "trainer", "cpu", "gpu"])
 def test_image_for_known_roles(role):
-    assert image_for(role) is getattr(specs, {"rollout": "ROLLOUT_IMAGE", "trainer": "TRAINER_IMAGE", "cpu": "CPU_IMAGE"}[role])
+    assert image_for(role) is getattr(specs, f"{role.upper()}_IMAGE")
 
 
-@pytest.mark.parametrize("bad", ["gpu", "Rollout", "", "trainer ", "vllm"])
+@pytest.mark.parametrize("bad", ["GPU", "Rollout", "", "trainer ", "vllm"])
 def test_image_for_rejects_unknown_roles(bad):
     with pytest.raises(ValueError) as err:
         image_for(bad)
     message = str(err.value)
     assert repr(bad) in message
-    for role in ("rollout", "trainer", "cpu"):
+    for role in ("rollout", "trainer", "cpu", "gpu"):
         assert role in message
 
 
