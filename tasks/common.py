@@ -34,6 +34,7 @@ CACHE_VERSIONS = {
     "verify_rewards": "2",
     "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
     "policy_step": "3",  # 3: rollout guard
+    "colocated_chunk": "1",
     "evaluate": "3",  # 3: samples as a table, no loop state
     "track": "3",  # 3: fixed-size loop state, servable-only versions, step-config run key
 }

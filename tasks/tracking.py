@@ -122,16 +122,39 @@ def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_
     return target_json, state.to_json()
 
 
+def report_step(state: LoopState, target_json: str, step: int, step_metrics: dict[str, float]) -> None:
+    """Print the step line and log the step's metrics (after whatever earlier deliveries
+    left pending; what MLflow does not take goes into state's outbox)."""
+    seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
+    print(report.step_line({"step": step, **step_metrics, "step/seconds": seconds}), flush=True)
+    deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
+
+
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
     state = LoopState.from_json(loop_state)
     state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
-    seconds = step_metrics.get("rollout/seconds", 0.0) + step_metrics.get("policy_step/seconds", 0.0)
-    print(report.step_line({"step": step, **step_metrics, "step/seconds": seconds}), flush=True)
-    deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
+    report_step(state, target_json, step, step_metrics)
     pipeline.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
+    return state.to_json()
+
+
+@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task_entry
+def log_chunk(
+    config: DAPOConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
+) -> str:
+    """After a colocated chunk, which printed and logged each of its steps as it ended: the
+    records it could not deliver (its outbox), the bad-step count over its steps, and the
+    rollout guard's verdict on its last step."""
+    state = LoopState.from_json(loop_state)
+    for offset, metrics in enumerate(step_metrics):
+        state.bad_steps = pipeline.count_bad_steps(state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1)
+    deliver(state, target_json, read_outbox(LoopState(outbox=outbox)))
+    if step_metrics:
+        pipeline.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
     return state.to_json()
 
 

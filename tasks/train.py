@@ -3,12 +3,14 @@ processes and nodes (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 no
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import typing
 
 import pyarrow as pa
 from flytekit import Deck, task
+from flytekit.types.directory import FlyteDirectory
 from flytekit.core.base_task import PythonTask, TaskResolverMixin
 from flytekit.core.tracker import TrackedInstance
 from flytekitplugins.kfpytorch import Elastic
@@ -16,7 +18,7 @@ from flytekitplugins.kfpytorch import Elastic
 from dapo import pipeline, report
 from dapo.config import DAPOConfig
 from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
-from images.specs import TRAINER_IMAGE
+from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
     DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
     run_key, scratch_dir, task_entry,
@@ -119,3 +121,44 @@ def policy_step_for(config: DAPOConfig) -> PythonTask:
     if config.trainer_world_size == 1:
         return policy_step
     return elastic_policy_step(config.trainer_nnodes, config.trainer_nproc_per_node)
+
+
+ColocatedOutput = typing.NamedTuple(
+    "ColocatedOutput", [("policy", Checkpoint), ("metrics", list[dict[str, float]]), ("outbox", str)]
+)
+
+
+def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, last_step: int) -> str:
+    """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated): a
+    directory named by the chunk's inputs, so that the chunk run again (a retry, a new
+    execution after a kill) finds them. On trainer_shared_dir when set, which outlives the
+    pod; else under ~/.flyte, which outlives a local run but not a pod."""
+    source = policy.remote_source or policy.path
+    key = hashlib.sha256(f"{source}|{first_step}|{last_step}".encode()).hexdigest()[:16]
+    root = config.trainer_shared_dir or os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated")
+    return os.path.join(root, "run-" + run_key(config), f"chunk-{first_step}-{last_step}-{key}")
+
+
+@task(cache=cache("colocated_chunk"), container_image=GPU_IMAGE, **gpu_pod(1, TRAINER_PER_GPU), **DECKS)
+@task_entry
+def colocated_chunk(
+    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int
+) -> ColocatedOutput:
+    """Steps [first_step, last_step) in this one pod, the trainer and vLLM resident
+    (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
+    between steps. Each step prints its line and goes to MLflow as it ends (what MLflow
+    does not take goes to the returned outbox); its record lets a killed chunk go on after
+    its last checkpointed step."""
+    from dapo.colocated import run_colocated
+    from tasks.tracking import LoopState, report_step
+
+    delivery = LoopState()
+    result = run_colocated(
+        config, policy.download(), data.download(), first_step, last_step - first_step,
+        records_dir(config, policy, first_step, last_step),
+        on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
+    )
+    rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]
+    Deck("This chunk", report.html_table(rows))
+    return ColocatedOutput(directory_output(result.checkpoint_dir), result.step_metrics, delivery.outbox)
+

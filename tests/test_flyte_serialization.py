@@ -10,14 +10,15 @@ from flytekit.types.directory import FlyteDirectory
 
 import workflows.dapo as dapo_workflow
 from dapo.config import DAPOConfig
-from images.specs import CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
+from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from tasks import common, data, evaluate, rollout, tracking, train
 
 SETTINGS = SerializationSettings(
     image_config=ImageConfig(default_image=Image(name="default", fqn="registry.example/default", tag="v1")),
     project="dapo", domain="development", version="test",
 )
-GPU_TASKS = {"rollout": rollout.rollout, "policy_step": train.policy_step, "evaluate": evaluate.evaluate}
+GPU_TASKS = {"rollout": rollout.rollout, "policy_step": train.policy_step, "evaluate": evaluate.evaluate,
+             "colocated_chunk": train.colocated_chunk}
 CPU_TASKS = {
     "resolve_config": data.resolve_config, "prepare_data": data.prepare_data, "verify_rewards": rollout.verify_rewards,
     "filter_groups": rollout.filter_groups, "log_step": tracking.log_step, "register_model": tracking.register_model,
@@ -40,7 +41,7 @@ def test_gpu_tasks_request_a_gpu_on_the_gpu_pod_template(name):
     # /dev/shm comes from the pod template (k8s/20-flyte-podtemplates.yaml), never twice
     assert template.metadata.pod_template_name == "dapo-gpu"
     assert not template.extended_resources or not template.extended_resources.HasField("shared_memory")
-    expected_image = TRAINER_IMAGE if name == "policy_step" else ROLLOUT_IMAGE
+    expected_image = {"policy_step": TRAINER_IMAGE, "colocated_chunk": GPU_IMAGE}.get(name, ROLLOUT_IMAGE)
     assert template.container.image.startswith(expected_image.image_name().split(":")[0])
 
 
