@@ -54,7 +54,8 @@ def run_colocated(
 
     Each step leaves a record in out_root as it completes: its metrics (steps/<step>.json),
     then, every checkpoint_every steps and after the last, its checkpoint (policy-<step + 1>:
-    weights and trainer state, the per-stage layout). Called again on the same out_root (the
+    weights and trainer state, the per-stage layout; only the newest is kept). Called again
+    on the same out_root (the
     pod was killed, the task retried), it goes on after the newest checkpoint there: the
     steps up to it are not run again and their metrics are read back. checkpoint_every=1
     loses no finished step; a larger one writes less and reruns up to that many steps.
@@ -64,7 +65,7 @@ def run_colocated(
     ends the run there, with its checkpoint written: the caller then calls
     check_rollout_guard, as per-stage.
     """
-    from dapo.trainer import make_trainer
+    from dapo.trainer import make_trainer, prune_step_dirs
 
     out_root = Path(out_root)
     result = completed_steps(out_root, first_step, n_steps)
@@ -102,6 +103,7 @@ def run_colocated(
             if done == n_steps or metrics["guard/stopped"] or done % max(1, checkpoint_every) == 0:
                 result.checkpoint_dir = str(out_root / f"policy-{step + 1}")
                 trainer.save(result.checkpoint_dir, step=step)
+                prune_step_dirs(out_root, keep=1)  # a resume needs the newest checkpoint only
             if on_step:
                 on_step(step, metrics)
             if metrics["guard/stopped"]:

@@ -107,6 +107,7 @@ def test_a_killed_colocated_run_resumes_after_its_last_recorded_step(tmp_path_fa
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     with one_torch_thread():
         whole = run_colocated(config, policy_dir, data, 0, 3, tmp_path / "whole")
+    assert sorted(p.name for p in (tmp_path / "whole").glob("policy-*")) == ["policy-3"]  # the older records pruned
     out = tmp_path / "killed"
     for crash_at, recorded in (("rollout@2", ["0.json", "1.json"]), ("checkpoint_commit@2", ["0.json", "1.json", "2.json"])):
         env = {**os.environ, "DAPO_CRASH_AT": crash_at, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
