@@ -1,7 +1,7 @@
 """Colocated execution (issue 14): n steps in one process with the trainer and the rollout engine
 resident, the new weights synced into the engine in memory, give the per-stage path's steps.
 
-The comparisons are bit for bit: in fp32 the in-memory sync hands vLLM the very values the
+The comparisons are bit for bit: in fp32 the in-memory sync hands the engine the very values the
 per-stage checkpoint holds, and a trainer resumed from a checkpoint (weights and optimizer
 state) continues exactly as the resident one.
 """
@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,14 @@ from safetensors.torch import load_file
 from dapo import pipeline
 from dapo.colocated import run_colocated
 from dapo.config import DAPOConfig
-from dapo.policy import TinyPolicySpec, build_tiny_policy
 from dapo.rollout import close_cached_rollout_engine
 
 try:
-    from test_rollout import needs_vllm, one_torch_thread
+    from test_rollout import one_torch_thread
     from test_trainer import shared_tiny_policy
-    from test_weight_sync import PROMPTS, SETTINGS, TOLERANCE, max_gap
 except ImportError:  # run from the repo root as a package
-    from tests.test_rollout import needs_vllm, one_torch_thread
+    from tests.test_rollout import one_torch_thread
     from tests.test_trainer import shared_tiny_policy
-    from tests.test_weight_sync import PROMPTS, SETTINGS, TOLERANCE, max_gap
 
 COMPARED = ("rollout/tokens", "sampling/kept_groups", "sampling/rounds", "train/reward_mean", "train/acc", "actor/pg_loss",
             "actor/grad_norm", "actor/num_updates", "step/skipped")
@@ -42,19 +38,17 @@ def _close_engine():
     close_cached_rollout_engine()
 
 
-def per_stage(config: DAPOConfig, policy_dir: str, data_dir: str, steps: int, out_root: Path) -> tuple[list[dict], str, list[float]]:
+def per_stage(config: DAPOConfig, policy_dir: str, data_dir: str, steps: int, out_root: Path) -> tuple[list[dict], str]:
     """`steps` steps the per-stage way in this process: each step's rounds on the checkpoint the
     last one wrote, then policy_step (a trainer started on it, the next checkpoint saved).
-    Returns the metrics, the last checkpoint and each step's wall seconds."""
-    metrics, walls = [], []
+    Returns the metrics and the last checkpoint."""
+    metrics = []
     for step in range(steps):
-        started = time.perf_counter()
         batch, state = pipeline.sample_batch(config, policy_dir, data_dir, step)
         next_dir = str(out_root / f"policy-{step + 1}")
         metrics.append(pipeline.policy_step(config, policy_dir, batch, state, step, next_dir))
-        walls.append(time.perf_counter() - started)
         policy_dir = next_dir
-    return metrics, policy_dir, walls
+    return metrics, policy_dir
 
 
 def assert_same_steps(stage_metrics: list[dict], colocated_metrics: list[dict], stage_dir: str, colocated_dir: str) -> None:
@@ -81,7 +75,7 @@ def test_colocated_steps_are_the_per_stage_steps_hf_and_torch(tmp_path_factory, 
     """The fast check of the step logic."""
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     with one_torch_thread():
-        stage_metrics, stage_dir, _ = per_stage(config, policy_dir, data, 2, tmp_path / "stage")
+        stage_metrics, stage_dir = per_stage(config, policy_dir, data, 2, tmp_path / "stage")
         result = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "colocated", checkpoint_every=2)
     assert result.checkpoint_dir == str(tmp_path / "colocated" / "policy-2")
     assert [m["step/skipped"] for m in result.step_metrics] == [0.0, 0.0]
@@ -138,87 +132,3 @@ def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_
     assert (last["guard/regenerated"], last["guard/stopped"], last["step/skipped"]) == (1.0, 0.0, 0.0)
     assert last["actor/rollout_logprob_diff"] < config.rollout_gap_threshold
     assert (tmp_path / "colocated" / "regenerate-1" / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-@pytest.mark.deepspeed
-@needs_vllm
-def test_colocated_vllm_deepspeed_steps_are_the_per_stage_steps(tmp_path):
-    """test_end_to_end's tiny config (16 prompts a round and tiny_cpu's lr, so that both steps
-    find mixed groups), 2 steps each way from the same policy and seed; prints
-    the wall time per step and the in-memory sync's time against the checkpoint round trip."""
-    from dapo.trainer import PolicyTrainer
-
-    config = DAPOConfig.tiny_cpu().replace(
-        train_prompt_bsz=4, gen_prompt_bsz=16, ppo_mini_batch_size=2, max_num_gen_batches=3,
-    )
-    pipeline.prepare_data(config, tmp_path / "data")
-    build_tiny_policy(tmp_path / "policy-0", TinyPolicySpec(warm_start_steps=150))
-    policy0, data = str(tmp_path / "policy-0"), str(tmp_path / "data")
-    pipeline.policy_engine(config, policy0)  # the vLLM engine's start out of the per-stage timings
-    saves, save = [], PolicyTrainer.save
-
-    def timed_save(trainer, *args, **kwargs):
-        started = time.perf_counter()
-        save(trainer, *args, **kwargs)
-        saves.append(time.perf_counter() - started)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PolicyTrainer, "save", timed_save)
-        stage_metrics, stage_dir, stage_walls = per_stage(config, policy0, data, 2, tmp_path / "stage")
-        engine = pipeline.policy_engine(config, stage_dir)  # the per-stage reload of the last checkpoint, timed
-        stage_reload = engine.last_reload_seconds
-        started = time.perf_counter()
-        result = run_colocated(config, policy0, data, 0, 2, tmp_path / "colocated")
-        colocated_wall = time.perf_counter() - started
-
-    gaps = [m.get("guard/rollout_logprob_gap") for m in result.step_metrics]
-    syncs = [m.get("sync/seconds", 0.0) for m in result.step_metrics]
-    steps = [m["rollout/seconds"] + m["policy_step/seconds"] for m in result.step_metrics]
-    print(f"\nper-stage: {[f'{w:.2f}' for w in stage_walls]} s/step; checkpoint saves {[f'{s:.3f}' for s in saves[:2]]} s, "
-          f"reload into vLLM {stage_reload:.3f} s")
-    print(f"colocated: {[f'{w:.2f}' for w in steps]} s/step (rollout + update + sync), {colocated_wall / 2:.2f} s/step "
-          f"with the trainer's start and the final save ({saves[-1]:.3f} s); in-memory syncs {[f'{s:.4f}' for s in syncs]} s; "
-          f"guard gaps {gaps}")
-    for name, run in (("per-stage", stage_metrics), ("colocated", result.step_metrics)):
-        print(name, [{key: m.get(key) for key in COMPARED} for m in run])
-    assert all(m["step/skipped"] == 0.0 for m in stage_metrics), "the warm-started policy should give mixed groups"
-    assert_same_steps(stage_metrics, result.step_metrics, stage_dir, result.checkpoint_dir)
-    assert engine.last_reload_mode == "in_memory"
-    assert max(gaps) < config.rollout_gap_threshold  # step 1 sampled from the synced weights
-    assert not any(m["guard/regenerated"] for m in result.step_metrics)
-
-
-@needs_vllm
-def test_in_memory_sync_of_a_tied_policy_samples_from_the_new_weights(tmp_path, monkeypatch):
-    """A tied-embedding policy: the trainer's parameters (lm_head shared, so named once) go into
-    vLLM in memory and vLLM samples from them; without the tied alias it would not."""
-    from dapo.policy_matrix import PolicyLayout, build_policy, perturbed_copy
-    from dapo.rollout import SamplingSettings, cached_rollout_engine, vllm_engine
-    from dapo.trainer import make_trainer
-
-    with one_torch_thread():
-        a = build_policy(tmp_path / "a", PolicyLayout(tied=True))
-        b = perturbed_copy(a, tmp_path / "b")
-        engine = cached_rollout_engine("vllm", a, **SETTINGS)
-        trainer = make_trainer(DAPOConfig.tiny_cpu().replace(trainer_backend="torch"), b)
-        assert "lm_head.weight" not in dict(trainer.named_weights())
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                   for p in PROMPTS]
-        sampling = SamplingSettings(n=4, max_tokens=16, seed=3)
-        engine.load_weights_from_tensors(trainer.named_weights())
-        assert engine.last_reload_mode == "in_memory" and engine.weights_fingerprint is None
-        assert max_gap(b, engine.generate(prompts, sampling)) < TOLERANCE
-
-        trainer.close()
-        # what vLLM's reload alone does: the tied alias left out, the output embedding stays B's
-        monkeypatch.setattr(vllm_engine, "weights_with_tied_aliases", lambda weights, aliases: weights)
-        engine.load_weights_from_tensors(model_weights(a))
-        assert max_gap(a, engine.generate(prompts, sampling)) > 100 * TOLERANCE
-
-
-def model_weights(model_dir: str):
-    """model_dir's parameters as (name, tensor) pairs, read with transformers."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()

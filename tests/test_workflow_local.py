@@ -32,7 +32,8 @@ SETUP_TASKS = ("tasks.data.resolve_config-", "tasks.data.prepare_data-", "tasks.
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 
-def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int = 0, timeout: int = 900,
+                **overrides) -> subprocess.CompletedProcess:
     """pyflyte run --raw-output-data-prefix s3://dapo/raw workflows/dapo.py dapo_loop [args]:
     its Flyte cache and MLflow's database under home, its data in the S3 server at s3."""
     env = {
@@ -48,7 +49,7 @@ def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int =
     env.pop("DAPO_CRASH_AT", None)
     if crash_at:
         env["DAPO_CRASH_AT"] = crash_at
-    overrides = json.dumps({**SMALL, "seed": seed})
+    overrides = json.dumps({**SMALL, "seed": seed, **overrides})
     command = [str(PYFLYTE), "run", "--raw-output-data-prefix", f"s3://{BUCKET}/raw", "workflows/dapo.py", "dapo_loop",
                "--overrides_json", overrides, *args]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
@@ -220,3 +221,29 @@ def weights_digest(s3: str, source: str) -> str:
     bucket, key = source.removeprefix("s3://").split("/", 1)
     body = s3_client(s3).get_object(Bucket=bucket, Key=f"{key}/model.safetensors")["Body"].read()
     return hashlib.sha256(body).hexdigest()
+
+
+def test_a_colocated_run_killed_mid_chunk_resumes_after_its_last_step_and_ends_with_the_per_stage_weights(
+    first_run, home, s3, tmp_path_factory
+):
+    """first_run's 2 steps as one colocated chunk (trainer and vLLM resident, weights synced in
+    memory), killed in the rollout of its second step, then run again: the chunk goes on
+    from its step-1 record (step 1 is not run or logged again) and ends with first_run's
+    per-stage weights, bit for bit."""
+    colocated_home = new_home(tmp_path_factory, setup_from=home)
+    for crash_at, printed in (("rollout@1", {0, 1}), ("", {2})):
+        run = pyflyte_run(colocated_home, s3, "--total_steps", "2", "--steps_per_chunk", "2", "--model_name", "colocated-policy",
+                          crash_at=crash_at, execution="colocated")
+        if run.returncode != (-signal.SIGKILL if crash_at else 0):
+            pytest.fail(f"DAPO_CRASH_AT={crash_at!r}: exit {run.returncode}\n{run.stdout[-12000:]}\n{run.stderr[-6000:]}")
+        assert {int(line.split("|")[0].split()[1]) for line in step_lines(run.stdout)} == printed, (crash_at, step_lines(run.stdout))
+    client = mlflow_client(colocated_home)
+    colocated = {int(v.tags["step"]): v for v in client.search_model_versions("name = 'colocated-policy'")}
+    assert sorted(colocated) == [0, 2]  # validated at the start and at the chunk's end
+    run_id = client.search_runs([client.get_experiment_by_name("dapo").experiment_id])[0].info.run_id
+    assert [m.step for m in client.get_metric_history(run_id, "sampling/kept_ratio")] == [1, 2]  # each step logged once
+    gaps = client.get_metric_history(run_id, "guard/rollout_logprob_gap")
+    assert [m.step for m in gaps] == [1, 2] and gaps[1].value < 1e-3  # step 2 sampled from the weights synced in memory
+    per_stage = {int(v.tags["step"]): v for v in mlflow_client(home).search_model_versions("name = 'e2e-policy'")}
+    assert weights_digest(s3, colocated[2].source) == weights_digest(s3, per_stage[2].source)
+
