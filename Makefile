@@ -50,3 +50,4 @@ bench-cluster-cost: setup
 
 clean-cache:
 	$(VENV)/bin/pyflyte local-cache clear
+	rm -rf $(HOME)/.flyte/dapo-colocated  # colocated chunks' per-step records (tasks/train.records_dir)

@@ -150,7 +150,8 @@ class DAPOConfig:
     is its own task (one pod each on a cluster), handing checkpoints over through storage.
     "colocated": consecutive steps run in one process with the trainer and the rollout
     engine resident, the new weights going into the engine in memory after each update
-    (dapo.colocated); a checkpoint is written at the end of the steps (issue 14)."""
+    (dapo.colocated), one GPU for now (validated); each step leaves a record that a killed
+    chunk resumes from. steps_per_chunk steps share one task."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
@@ -277,6 +278,13 @@ class DAPOConfig:
             self.trainer_nnodes == 1 or bool(self.trainer_shared_dir),
             "trainer_shared_dir",
             f"must name a directory all {self.trainer_nnodes} training nodes mount (trainer_nnodes > 1)",
+        )
+        need(
+            self.execution == "per_stage" or self.trainer_world_size * self.tensor_parallel_size == 1,
+            "execution",
+            f"'colocated' runs one process on one GPU (trainer_nnodes, trainer_nproc_per_node and "
+            f"tensor_parallel_size all 1, here {self.trainer_nnodes}, {self.trainer_nproc_per_node}, "
+            f"{self.tensor_parallel_size}): colocated ranks across GPUs are not built yet, use 'per_stage'",
         )
 
     # ---------------------------------------------------------------------------------

@@ -121,6 +121,13 @@ def trainer_settings(config: DAPOConfig) -> dict:
                          disk_bytes=copies * config.checkpoint_bytes)
 
 
+def colocated_settings(config: DAPOConfig) -> dict:
+    """A colocated chunk's pod: the trainer's GPU, CPUs and memory; disk for the input
+    checkpoint and its records (the newest checkpoint and the one being written)."""
+    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"], mem_gib=TRAINER_PER_GPU["mem_gib"], gpus=1,
+                         disk_bytes=3 * config.checkpoint_bytes)
+
+
 def bootstrap_settings(config: DAPOConfig) -> dict:
     """bootstrap_policy: the model as downloaded, then as written (two copies of the weights)."""
     return node_settings(config, cpu=4, mem_gib=16, disk_bytes=2 * config.weights_bytes)

@@ -129,14 +129,14 @@ ColocatedOutput = typing.NamedTuple(
 
 
 def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, last_step: int) -> str:
-    """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated): a
-    directory named by the chunk's inputs, so that the chunk run again (a retry, a new
-    execution after a kill) finds them. On trainer_shared_dir when set, which outlives the
-    pod; else under ~/.flyte, which outlives a local run but not a pod."""
+    """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated):
+    ~/.flyte/dapo-colocated/run-<run key>/chunk-<steps>-<input checkpoint's hash>, so that
+    the chunk run again finds them. That outlives a killed local run, not a pod: on a
+    cluster a retried chunk starts again from its input checkpoint."""
     source = policy.remote_source or policy.path
     key = hashlib.sha256(f"{source}|{first_step}|{last_step}".encode()).hexdigest()[:16]
-    root = config.trainer_shared_dir or os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated")
-    return os.path.join(root, "run-" + run_key(config), f"chunk-{first_step}-{last_step}-{key}")
+    root = os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated", "run-" + run_key(config))
+    return os.path.join(root, f"chunk-{first_step}-{last_step}-{key}")
 
 
 @task(cache=cache("colocated_chunk"), container_image=GPU_IMAGE, **gpu_pod(1, TRAINER_PER_GPU), **DECKS)

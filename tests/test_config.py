@@ -70,6 +70,8 @@ def test_execution_mode_defaults_to_per_stage_and_is_no_part_of_the_step_config(
     assert colocated.execution == "colocated"
     # both modes compute the same steps: switching keeps the step tasks' cache keys
     assert "execution" not in colocated.step_dict() and colocated.step_config() == DAPOConfig.tiny_cpu().step_config()
+    with pytest.raises(ConfigError, match="execution='colocated': 'colocated' runs one process on one GPU .* here 16, 8, 4"):
+        DAPOConfig.paper_32b().replace(execution="colocated")
 
 
 def test_unknown_fields_and_presets_are_refused():

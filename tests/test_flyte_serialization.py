@@ -99,6 +99,7 @@ def compile_dynamic(dynamic, tmp_path, **inputs):
     directories = {k: FlyteDirectory(str(checkpoint_dir)) for k in ("data", "policy") if k in dynamic.python_interface.inputs}
     ctx = FlyteContextManager.current_context()
     state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+    dynamic._wf = None  # flytekit keeps a dynamic's first compilation in its process (a pod compiles once)
     with FlyteContextManager.with_context(ctx.with_serialization_settings(SETTINGS).with_execution_state(state)) as ctx:
         return dynamic.compile_into_workflow(ctx, dynamic._task_function, **directories, **inputs)
 
@@ -141,6 +142,29 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     assert step_node.metadata.timeout == datetime.timedelta(minutes=config.stage_timeout_minutes)
     branches = [n for n in spec.nodes if n.branch_node is not None]
     assert len(branches) == config.max_num_gen_batches - 1
+
+
+def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
+    """execution="colocated" (a 1.5B policy on one H100): train_chunk emits one colocated_chunk
+    pod for the chunk's 10 steps (vLLM and DeepSpeed in the gpu image, GPU and disk from the
+    config), then log_chunk and one validation; no per-stage node."""
+    config = DAPOConfig.paper_32b().replace(
+        execution="colocated", model_size_billions=1.5, trainer_nnodes=1, trainer_nproc_per_node=1, tensor_parallel_size=1,
+        rollout_shards=1, gpu_accelerator="nvidia-h100", val_every=10,
+    )
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
+                           target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
+    names = [n.task_node.reference_id.name.split(".")[-1] for n in spec.nodes if n.task_node is not None]
+    assert names == ["colocated_chunk", "log_chunk", "evaluate", "register_model"]
+    chunk = next(n for n in spec.nodes if n.metadata.name.endswith("colocated_chunk"))
+    requests = node_requests(chunk.task_node.overrides)
+    assert requests["gpu"] == "1"
+    assert float(requests["ephemeral_storage"].removesuffix("Gi")) * 2**30 >= 3 * config.checkpoint_bytes  # input + 2 records
+    assert chunk.task_node.overrides.extended_resources.gpu_accelerator.device == "nvidia-h100"
+    assert chunk.metadata.retries.retries == config.task_retries
+    template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk"))
+    assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu"
+    assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
 
 
 def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images():
