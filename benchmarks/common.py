@@ -43,8 +43,9 @@ def prepare_start(work: Path) -> None:
     pipeline.bootstrap_policy(config, work / "policy-0")
 
 
-def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[str, list[dict], float]:
-    """dapo_loop from work/'s starting point, executed locally by flytekit with caching off.
+def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0) -> tuple[str, list[dict], float]:
+    """dapo_loop from work/'s starting point, executed locally by flytekit with caching off
+    (steps_per_chunk: 0 = dapo_loop's default).
 
     Returns the final checkpoint path, the metric history and the seconds spent in
     validation (pipeline.evaluate), which benchmarks of the step loop leave out.
@@ -52,7 +53,7 @@ def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[s
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
     from dapo import pipeline
     from dapo.tracking import run_history
-    from workflows.dapo import dapo_loop
+    from workflows.dapo import DEFAULT_STEPS_PER_CHUNK, dapo_loop
 
     evaluate = pipeline.evaluate
     eval_seconds = 0.0
@@ -71,6 +72,7 @@ def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str) -> tuple[s
             preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
             total_steps=steps, train_data=str(work / "data" / pipeline.TRAIN_FILE), val_data=str(work / "data" / pipeline.VAL_FILE),
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
+            steps_per_chunk=steps_per_chunk or DEFAULT_STEPS_PER_CHUNK,
         )
     finally:
         pipeline.evaluate = evaluate

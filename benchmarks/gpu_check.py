@@ -7,9 +7,12 @@ script itself), all with generated policies (no hub):
 2. step: one DAPO step through the pipeline functions (rollout -> verify_rewards ->
    filter_groups -> policy_step with DeepSpeed -> the new checkpoint reloaded in place ->
    rollout again) on the tied policy, with the guard's metrics.
-3. speed (run first, in its own processes): vLLM tokens/s against transformers' generate
+3. colocated: three steps of execution="colocated" (dapo.colocated: trainer and vLLM
+   resident, weights synced in memory): each step's sync time, the rollout guard's gap
+   after the sync, tokens/s, and the peak GPU memory of the three steps.
+4. speed (run first, in its own processes): vLLM tokens/s against transformers' generate
    (benchmarks/rollout.py).
-4. peak GPU memory (torch's allocator in this process, and nvidia-smi).
+5. peak GPU memory (torch's allocator in this process, and nvidia-smi).
 
 Writes OUT/gpu_check.json and prints it.
 """
@@ -32,14 +35,20 @@ def log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def one_step(work: Path, model_dir: str, dtype: str) -> dict:
-    from dapo import pipeline
+def step_config(model_dir: str, dtype: str):
+    """The checks' DAPO config: the embedded task, 8 prompts x 8 samples a step."""
     from dapo.config import DAPOConfig
 
-    config = DAPOConfig.tiny_cpu().replace(
+    return DAPOConfig.tiny_cpu().replace(
         model_path=model_dir, dtype=dtype, train_prompt_bsz=8, gen_prompt_bsz=16, ppo_mini_batch_size=4,
         n_samples_per_prompt=8, filter_metric="reward", max_response_length=64, overlong_buffer_len=16, max_num_gen_batches=3,
     )
+
+
+def one_step(work: Path, model_dir: str, dtype: str) -> dict:
+    from dapo import pipeline
+
+    config = step_config(model_dir, dtype)
     pipeline.prepare_data(config, work / "data")
     pipeline.bootstrap_policy(config, work / "policy-0")
     started = time.perf_counter()
@@ -67,11 +76,35 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
     }
 
 
+def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dict:
+    import torch
+
+    from dapo import pipeline
+    from dapo.colocated import run_colocated
+
+    config = step_config(model_dir, dtype)
+    pipeline.prepare_data(config, work / "data")
+    pipeline.bootstrap_policy(config, work / "policy-0")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    result = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, 3, work / "records")
+    keys = ("sync/seconds", "guard/rollout_logprob_gap", "guard/regenerated", "rollout/tokens_per_s", "policy_step/seconds",
+            "step/skipped")
+    return {
+        "dtype": dtype,
+        "steps": [{k: m.get(k) for k in keys} for m in result.step_metrics],
+        "threshold": config.rollout_gap_threshold,
+        "seconds": time.perf_counter() - started,
+        "peak_gpu_memory_gib_torch": torch.cuda.max_memory_reserved() / 2**30 if on_gpu else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check"))
     parser.add_argument("--cpu", action="store_true", help="run on CPU (fp32 only, smaller) to check the script")
-    parser.add_argument("--parts", default="speed,gaps,step")
+    parser.add_argument("--parts", default="speed,gaps,step,colocated")
     parser.add_argument("--dtypes", nargs="+", help="gap dtypes (default: bfloat16 on a GPU, float32 on CPU)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -81,6 +114,7 @@ def main() -> None:
 
     from benchmarks.reload_gap import measure
     from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.rollout import close_cached_rollout_engine
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not args.cpu and not on_gpu:
@@ -132,8 +166,13 @@ def main() -> None:
         log("one DAPO step (vLLM + DeepSpeed) on the tied policy")
         report["step"] = one_step(work / "step", policy, dtypes[0])
         log(json.dumps(report["step"]))
-        from dapo.rollout import close_cached_rollout_engine
+        close_cached_rollout_engine()
 
+    if "colocated" in parts:
+        policy = build_policy(work / "colocated-policy", PolicyLayout(tied=True, warm_start_steps=100, **size))
+        log("three colocated steps (vLLM + DeepSpeed resident, weights synced in memory) on the tied policy")
+        report["colocated"] = colocated_steps(work / "colocated", policy, dtypes[0], on_gpu)
+        log(json.dumps(report["colocated"]))
         close_cached_rollout_engine()
 
     if on_gpu:

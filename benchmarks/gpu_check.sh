@@ -5,6 +5,8 @@
 #     sets DAPOConfig's bf16 guard default (dapo/config.py ROLLOUT_GAP_DEFAULTS);
 #   - one DAPO step with CUDA vLLM and DeepSpeed through the pipeline functions, the new
 #     checkpoint reloaded in place, and the rollout guard's metrics;
+#   - three colocated steps (issue 14: trainer and vLLM resident, weights synced in memory):
+#     the sync's time, the guard's gap after it, tokens/s, peak GPU memory;
 #   - vLLM tokens/s against transformers' generate; peak GPU memory.
 # Results: benchmarks/results/gpu_check/gpu_check.json (and the log on stdout).
 #

@@ -1,11 +1,13 @@
 """Where a local DAPO step's wall time goes: compute vs Flyte, checkpoints and MLflow.
 
-Two runs of the same steps in one process, from the same starting policy and seeds
+Three runs of the same steps in one process, from the same starting policy and seeds
 (so the same work):
 
 1. ``plain``: the step as plain function calls (dapo.pipeline: rollout, verify_rewards,
    filter_groups, policy_step), checkpoints on local disk, no Flyte and no MLflow.
-2. ``flyte``: ``dapo_loop`` executed locally by flytekit (caching off), as ``make run`` does.
+2. ``per_stage``: ``dapo_loop`` executed locally by flytekit (caching off), as ``make run`` does.
+3. ``colocated``: the same with ``execution="colocated"`` (one task per chunk of steps,
+   trainer and vLLM resident, weights synced in memory, a record per step).
 
 During both, every call of the functions below is timed; nested timed calls are
 subtracted from their caller, so each second is counted once ("exclusive" time):
@@ -13,7 +15,8 @@ subtracted from their caller, so each second is counted once ("exclusive" time):
     compute       rollout generation (engine.generate), policy update (policy_update)
     algorithm     reward verification and group filtering
     checkpoints   trainer start (weights + optimizer state in, DeepSpeed init), weights
-                  into the rollout engine, trainer save/close, content hashing
+                  into the rollout engine (from a checkpoint or in memory), trainer
+                  save/close, content hashing
     MLflow        tracking.deliver
     Flyte         inputs/outputs to and from literals (type engine, artifact copies),
                   task dispatch, decks, dynamic-workflow compilation, node orchestration
@@ -113,6 +116,7 @@ def instrument(timer: ExclusiveTimer) -> None:
     timer.wrap(dapo.trainer.PolicyTrainer, "close", "checkpoints", "trainer close")
     timer.wrap(pipeline, "copy_checkpoint", "checkpoints", "checkpoint save")
     timer.wrap(rollout, "cached_rollout_engine", "checkpoints", "weights into the rollout engine")
+    timer.wrap(RolloutEngine, "load_weights_from_tensors", "checkpoints", "weights into the rollout engine (in memory)")
     timer.wrap(checkpoint, "content_hash", "checkpoints", "checkpoint hashing (cache keys)")
     timer.wrap(checkpoint, "recorded_hash", "checkpoints", "checkpoint hashing (cache keys)")
     timer.wrap(tracking, "deliver", "MLflow", "MLflow logging")
@@ -154,14 +158,17 @@ def plain_loop(work: Path, out_root: Path, steps: int) -> None:
         policy = next_policy
 
 
-def report(plain: dict, flyte: dict, plain_wall: float, flyte_step_wall: float, steps: int) -> None:
-    """The per-step breakdown of both runs and the overhead shares."""
-    rows = sorted(set(plain) | set(flyte), key=lambda key: (["compute", "algorithm"].index(key[0]) if key[0] in ("compute", "algorithm") else 2, key))
+def report(runs: dict[str, tuple[dict, float]], steps: int) -> None:
+    """The per-step breakdown of the runs ({name: (exclusive seconds by (category, label),
+    wall of the step loop)}) and their overhead shares."""
+    keys = set().union(*(totals for totals, _ in runs.values()))
+    rank = lambda key: (["compute", "algorithm"].index(key[0]) if key[0] in ("compute", "algorithm") else 2, key)  # noqa: E731
     print(f"\nper step (mean of {steps}; exclusive seconds)")
-    print(f"{'category':<12} {'what':<62} {'plain':>7} {'flyte':>7}")
-    for key in (key for key in rows if max(plain.get(key, 0.0), flyte.get(key, 0.0)) / steps >= 0.0005):
-        print(f"{key[0]:<12} {key[1]:<62} {plain.get(key, 0.0) / steps:>7.3f} {flyte.get(key, 0.0) / steps:>7.3f}")
-    for name, totals, wall in (("plain", plain, plain_wall), ("flyte", flyte, flyte_step_wall)):
+    print(f"{'category':<12} {'what':<62} " + " ".join(f"{name:>9}" for name in runs))
+    for key in sorted(keys, key=rank):
+        if max(totals.get(key, 0.0) for totals, _ in runs.values()) / steps >= 0.0005:
+            print(f"{key[0]:<12} {key[1]:<62} " + " ".join(f"{totals.get(key, 0.0) / steps:>9.3f}" for totals, _ in runs.values()))
+    for name, (totals, wall) in runs.items():
         untimed = wall - sum(totals.values())
         work = sum(v for (category, _), v in totals.items() if category in (COMPUTE, ALGORITHM))
         compute = sum(v for (category, _), v in totals.items() if category == COMPUTE)
@@ -172,7 +179,8 @@ def report(plain: dict, flyte: dict, plain_wall: float, flyte_step_wall: float, 
         for (category, _), value in totals.items():
             by_category[category] += value
         print("  " + ", ".join(f"{category} {value / wall:.1%}" for category, value in sorted(by_category.items(), key=lambda kv: -kv[1])))
-    print(f"flyte / plain wall per step: x{flyte_step_wall / plain_wall:.2f}")
+    plain_wall = runs["plain"][1]
+    print(", ".join(f"{name} / plain wall per step: x{wall / plain_wall:.2f}" for name, (_, wall) in runs.items() if name != "plain"))
 
 
 def main() -> None:
@@ -198,14 +206,17 @@ def main() -> None:
         plain = timer.by_category("steps")
         timer.totals.clear()
 
-        print(f"flyte: {args.steps} steps of dapo_loop ...", flush=True)
-        run_started = time.perf_counter()
-        run_dapo_loop(work, args.steps, {"val_every": 0}, "overhead")
-        flyte_wall = time.perf_counter() - run_started
-        setup = timer.phase_total("setup+validation")
-        flyte = timer.by_category("steps")
-    print(f"flyte run: {flyte_wall:.1f} s in all, of which {setup:.1f} s set-up tasks and validation (left out below)")
-    report(plain, flyte, plain_wall, flyte_wall - setup, args.steps)
+        runs = {"plain": (plain, plain_wall)}
+        for execution in ("per_stage", "colocated"):
+            print(f"{execution}: {args.steps} steps of dapo_loop ...", flush=True)
+            run_started = time.perf_counter()
+            run_dapo_loop(work, args.steps, {"val_every": 0, "execution": execution}, f"overhead-{execution}", args.steps)
+            wall = time.perf_counter() - run_started
+            setup = timer.phase_total("setup+validation")
+            print(f"{execution} run: {wall:.1f} s in all, of which {setup:.1f} s set-up tasks and validation (left out below)")
+            runs[execution] = (timer.by_category("steps"), wall - setup)
+            timer.totals.clear()
+    report(runs, args.steps)
     print(f"\nbenchmark wall time: {(time.perf_counter() - started) / 60:.1f} min; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 

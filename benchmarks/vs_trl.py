@@ -11,6 +11,8 @@ Runs, each in its own process (so peak memory is its own), caching off:
 - ``ours``: ``dapo_loop`` executed locally by flytekit, exactly as ``make run`` does
   (vLLM rollout, DeepSpeed update, MLflow tracking, checkpoints between tasks), full
   DAPO: dynamic sampling draws up to 3 rounds of 32 prompts to fill 16 informative groups.
+- ``ours-colocated``: ``ours`` with ``execution="colocated"``: each chunk of 10 steps in
+  one task, trainer and vLLM resident, the new weights synced into vLLM in memory.
 - ``ours-nods``: the same without dynamic sampling: 16 prompts x 8 generated per step,
   the work TRL does per step.
 - ``trl``: ``GRPOTrainer`` configured as close to DAPO as TRL allows: ``loss_type="dapo"``
@@ -25,7 +27,7 @@ peak RSS of the process; then every final model is validated by the same functio
 (``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
 
     make bench-trl                                   # installs the bench extra, then runs
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-nods,trl]
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-colocated,ours-nods,trl]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, child_env, chosen, peak_rss_mib, prepare_start, run_dapo_loop
-RUNS = ("ours", "ours-nods", "trl")
+RUNS = ("ours", "ours-colocated", "ours-nods", "trl")
 
 
 def base_config(steps: int, seed: int = 0):
@@ -52,12 +54,12 @@ def base_config(steps: int, seed: int = 0):
 
 
 # --- ours -------------------------------------------------------------------------
-def run_ours(work: Path, steps: int, seed: int, dynamic_sampling: bool) -> dict:
+def run_ours(work: Path, steps: int, seed: int, name: str) -> dict:
     """dapo_loop, local flytekit execution, caching off; validation time is excluded."""
-    name = "vs-trl-ours" if dynamic_sampling else "vs-trl-ours-nods"
-    overrides = {"val_every": 0, "dynamic_sampling": dynamic_sampling, "seed": seed}
+    execution = "colocated" if name == "ours-colocated" else "per_stage"
+    overrides = {"val_every": 0, "dynamic_sampling": name != "ours-nods", "seed": seed, "execution": execution}
     started = time.perf_counter()
-    model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, name)
+    model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, f"vs-trl-{name}")
     return {
         "train_seconds": time.perf_counter() - started - eval_seconds,
         "eval_seconds_excluded": eval_seconds,
@@ -170,7 +172,7 @@ def worker(name: str, work: Path, steps: int, seed: int) -> None:
     if name == "trl":
         result = run_trl(work, steps, seed)
     else:
-        result = run_ours(work, steps, seed, dynamic_sampling=name == "ours")
+        result = run_ours(work, steps, seed, name)
     result["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -223,10 +225,10 @@ def report(results: dict[str, list[dict]], start: dict, steps: int) -> dict[str,
     print(f"\n{steps} steps of 16 prompts x 8 responses (ours with dynamic sampling: up to 3 rounds of 32 prompts), "
           f"max response 32 tokens, 4 updates per step, {seeds} seed(s); {os.cpu_count()} CPUs, load average now {os.getloadavg()[0]:.1f}")
     print(f"validation accuracy at the start: {start['val/acc']:.3f} (format score {start['val/format_score']:.2f})")
-    print(f"{'run':<10} {'s/step':>7} {'gen tok/s':>10} {'peak RSS MiB':>13} {'val acc (mean ± std)':>21} {'format':>7}")
+    print(f"{'run':<15} {'s/step':>7} {'gen tok/s':>10} {'peak RSS MiB':>13} {'val acc (mean ± std)':>21} {'format':>7}")
     table = {name: summary(runs, steps) for name, runs in results.items()}
     for name, r in table.items():
-        print(f"{name:<10} {r['seconds_per_step']:>7.2f} {r['tokens_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f} "
+        print(f"{name:<15} {r['seconds_per_step']:>7.2f} {r['tokens_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f} "
               f"{r['val_acc']:>13.3f} ± {r['val_acc_std']:.3f} {r['format_score']:>7.2f}")
     if "trl" in table:
         trl = table["trl"]

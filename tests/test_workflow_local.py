@@ -242,8 +242,13 @@ def test_a_colocated_run_killed_mid_chunk_resumes_after_its_last_step_and_ends_w
     assert sorted(colocated) == [0, 2]  # validated at the start and at the chunk's end
     run_id = client.search_runs([client.get_experiment_by_name("dapo").experiment_id])[0].info.run_id
     assert [m.step for m in client.get_metric_history(run_id, "sampling/kept_ratio")] == [1, 2]  # each step logged once
-    gaps = client.get_metric_history(run_id, "guard/rollout_logprob_gap")
-    assert [m.step for m in gaps] == [1, 2] and gaps[1].value < 1e-3  # step 2 sampled from the weights synced in memory
+    # step 2 sampled from the weights synced in memory what per-stage sampled from the reloaded checkpoint
+    per_stage_client = mlflow_client(home)
+    per_stage_run = per_stage_client.search_runs([per_stage_client.get_experiment_by_name("dapo").experiment_id])[0].info.run_id
+    for key in ("rollout/tokens", "sampling/rounds", "sampling/informative_groups", "sampling/kept_groups"):
+        colocated_history = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+        assert [step for step, _ in colocated_history] == [1, 2], key
+        assert colocated_history == [(m.step, m.value) for m in per_stage_client.get_metric_history(per_stage_run, key) if m.step <= 2], key
     per_stage = {int(v.tags["step"]): v for v in mlflow_client(home).search_model_versions("name = 'e2e-policy'")}
     assert weights_digest(s3, colocated[2].source) == weights_digest(s3, per_stage[2].source)
 
