@@ -1,13 +1,14 @@
 """Where a local DAPO step's wall time goes: compute vs Flyte, checkpoints and MLflow.
 
-Three runs of the same steps in one process, from the same starting policy and seeds
+Four runs of the same steps in one process, from the same starting policy and seeds
 (so the same work):
 
 1. ``plain``: the step as plain function calls (dapo.pipeline: rollout, verify_rewards,
    filter_groups, policy_step), checkpoints on local disk, no Flyte and no MLflow.
 2. ``per_stage``: ``dapo_loop`` executed locally by flytekit (caching off), as ``make run`` does.
-3. ``colocated``: the same with ``execution="colocated"`` (one task per chunk of steps,
-   trainer and vLLM resident, weights synced in memory, a record per step).
+3. ``colocated``: the same with ``execution="colocated"`` (one task for the steps,
+   trainer and vLLM resident, weights synced in memory, a checkpoint recorded per step);
+   ``coloc/10``: colocated recording a checkpoint once in 10 steps.
 
 During both, every call of the functions below is timed; nested timed calls are
 subtracted from their caller, so each second is counted once ("exclusive" time):
@@ -43,6 +44,11 @@ from pathlib import Path
 
 from benchmarks.common import prepare_start, run_dapo_loop
 
+DAPO_LOOP_RUNS = {
+    "per_stage": {"execution": "per_stage"},
+    "colocated": {"execution": "colocated"},  # a checkpoint recorded after every step
+    "coloc/10": {"execution": "colocated", "colocated_checkpoint_every": 10},  # one per 10-step chunk
+}
 SETUP_TASKS = {"resolve_config", "prepare_data", "bootstrap_policy", "start_tracking", "finish_tracking", "evaluate", "register_model"}
 COMPUTE, ALGORITHM = "compute", "algorithm"
 
@@ -207,14 +213,14 @@ def main() -> None:
         timer.totals.clear()
 
         runs = {"plain": (plain, plain_wall)}
-        for execution in ("per_stage", "colocated"):
-            print(f"{execution}: {args.steps} steps of dapo_loop ...", flush=True)
+        for name, overrides in DAPO_LOOP_RUNS.items():
+            print(f"{name}: {args.steps} steps of dapo_loop ...", flush=True)
             run_started = time.perf_counter()
-            run_dapo_loop(work, args.steps, {"val_every": 0, "execution": execution}, f"overhead-{execution}", args.steps)
+            run_dapo_loop(work, args.steps, {"val_every": 0, **overrides}, f"overhead-{name}", args.steps)
             wall = time.perf_counter() - run_started
             setup = timer.phase_total("setup+validation")
-            print(f"{execution} run: {wall:.1f} s in all, of which {setup:.1f} s set-up tasks and validation (left out below)")
-            runs[execution] = (timer.by_category("steps"), wall - setup)
+            print(f"{name} run: {wall:.1f} s in all, of which {setup:.1f} s set-up tasks and validation (left out below)")
+            runs[name] = (timer.by_category("steps"), wall - setup)
             timer.totals.clear()
     report(runs, args.steps)
     print(f"\nbenchmark wall time: {(time.perf_counter() - started) / 60:.1f} min; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

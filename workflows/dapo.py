@@ -141,7 +141,8 @@ def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: st
     """The chunk's steps in one colocated_chunk pod, then log_chunk; validated once, on the
     chunk's last checkpoint, when a validation step falls in the chunk."""
     policy, metrics, outbox = colocated_chunk(config=step_config, target_json=target_json, policy=policy, data=data,
-                                              first_step=first_step, last_step=last_step).with_overrides(**colocated_settings(config))
+                                              first_step=first_step, last_step=last_step,
+                                              checkpoint_every=config.colocated_checkpoint_every).with_overrides(**colocated_settings(config))
     loop_state = log_chunk(config=step_config, target_json=target_json, loop_state=loop_state, first_step=first_step,
                            step_metrics=metrics, outbox=outbox).with_overrides(**cpu_settings(config))
     if any(is_validation_step(step, config.val_every, config.total_steps) for step in range(first_step + 1, last_step + 1)):
