@@ -6,7 +6,8 @@ One training step runs through the harness from the `train` dynamic down: train 
 bootstrap_policy -> evaluate + register_model (step 0) -> train_chunk -> sample_round (rollout and verify_rewards ArrayNodes, filter_groups) ->
 the conditional round -> policy_step -> log_step -> evaluate -> register_model; then the
 multi-node Elastic policy step that train_chunk emits for trainer_nnodes=2 runs as a
-2-worker PyTorchJob on the same inputs.
+2-worker PyTorchJob on the same inputs, and train_chunk with execution="colocated" runs
+its colocated_chunk (gpu image), log_chunk, evaluate and register_model.
 """
 
 from __future__ import annotations
@@ -233,3 +234,30 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     metrics = from_literal(outputs.literals["metrics"], dict[str, float])
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert elastic[0].container.image in sim["registration"].images
+
+
+def test_colocated_chunk_emitted_by_train_chunk_runs_in_the_gpu_image(sim):
+    """train_chunk for execution="colocated", from the inputs of the per-stage chunk above:
+    it emits one colocated_chunk (in the gpu image: vLLM and DeepSpeed in one process) and
+    no per-stage node; the chunk trains the step, its step reaches MLflow, then log_chunk,
+    evaluate and register_model run on its checkpoint."""
+    from dapo import tracking
+
+    chunks = [(node, t) for node, t in emitted(sim) if task_name(t) == "train_chunk"]
+    assert chunks, "train_chunk was never emitted: " + failure(sim)
+    propeller, root = sim["propeller"], sim["root"]
+    chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
+    chunk_inputs.literals["config"].CopyFrom(config_literal(sim["config"].replace(execution="colocated")))
+    outputs = propeller.run_task_node("colocated-chunk", chunks[0][1], chunk_inputs, root / "store" / "colocated-chunk")
+    spec = propeller.dynamic_specs["colocated-chunk"]
+    assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk", "evaluate", "log_chunk", "register_model"]
+    colocated = next(t for t in spec.tasks if task_name(t) == "colocated_chunk")
+    assert image_role(colocated.container.image, sim["registration"]) == "gpu"
+    pod = next(p for p in pods_of(sim, "colocated_chunk"))
+    metrics = from_literal(podsim._read(literals_pb2.LiteralMap, pod.prefix / "outputs.pb").literals["metrics"], list[dict[str, float]])
+    assert len(metrics) == 1 and all(math.isfinite(v) for v in metrics[0].values()), metrics
+    assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
+    from mlflow.tracking import MlflowClient
+
+    logged = MlflowClient(sim["target"].tracking_uri).get_metric_history(tracking.Tracker(sim["target"]).run_id, "sampling/kept_groups")
+    assert [m.step for m in logged] == [1, 1]  # the per-stage step 1, then the colocated one (the same run key)
