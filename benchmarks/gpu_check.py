@@ -52,11 +52,7 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
     pipeline.prepare_data(config, work / "data")
     pipeline.bootstrap_policy(config, work / "policy-0")
     started = time.perf_counter()
-    state, kept = pipeline.SamplingState(), None
-    while not state.done:
-        table, rollout_metrics = pipeline.rollout(config, str(work / "policy-0"), str(work / "data"), 0, state.rounds)
-        scored = pipeline.verify_rewards(config, table, 0)
-        kept, state = pipeline.filter_groups(config, scored, kept, state, rollout_metrics)
+    kept, state = pipeline.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
     metrics = pipeline.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
     pipeline.check_rollout_guard(config, metrics, 0)
     # the new checkpoint into the live engine (in place), then its own rollout and its gap

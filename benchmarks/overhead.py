@@ -155,10 +155,7 @@ def plain_loop(work: Path, out_root: Path, steps: int) -> None:
     config = DAPOConfig.tiny_cpu().replace(model_path=str(work / "policy-0"), total_steps=steps, val_every=0)
     policy, data = str(work / "policy-0"), str(work / "data")
     for step in range(steps):
-        batch, state = None, pipeline.SamplingState()
-        while not state.done:
-            responses, metrics = pipeline.rollout(config, policy, data, step, state.rounds)
-            batch, state = pipeline.filter_groups(config, pipeline.verify_rewards(config, responses, step), batch, state, metrics)
+        batch, state = pipeline.sample_batch(config, policy, data, step)
         next_policy = str(out_root / f"policy-{step + 1}")
         pipeline.policy_step(config, policy, batch, state, step, next_policy)
         policy = next_policy

@@ -55,8 +55,8 @@ def run_colocated(
     Each step leaves a record in out_root as it completes: its metrics (steps/<step>.json),
     then, every checkpoint_every steps and after the last, its checkpoint (policy-<step + 1>:
     weights and trainer state, the per-stage layout; only the newest is kept). Called again
-    on the same out_root (the pod was killed, the task retried), it goes on after the newest
-    checkpoint there: the steps up to it are not run again and their metrics are read back.
+    on the same out_root (the process was killed, the task run again), it goes on after the
+    newest checkpoint there: the steps up to it are not run again and their metrics are read back.
     checkpoint_every=1 loses no finished step; a larger one writes less and reruns up to
     that many steps.
 
