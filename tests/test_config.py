@@ -71,8 +71,16 @@ def test_execution_mode_defaults_to_per_stage_and_is_no_part_of_the_step_config(
     assert colocated.execution == "colocated"
     # both modes compute the same steps: switching keeps the step tasks' cache keys
     assert "execution" not in colocated.step_dict() and colocated.step_config() == DAPOConfig.tiny_cpu().step_config()
-    with pytest.raises(ConfigError, match="execution='colocated': 'colocated' runs one process on one GPU .* here 16, 8, 4"):
-        DAPOConfig.paper_32b().replace(execution="colocated")
+    # over several ranks: 32 engines of 4 GPUs on 16 x 8 trainer GPUs, one rollout shard each
+    assert DAPOConfig.paper_32b().replace(execution="colocated").rollout_groups == 32
+    with pytest.raises(ConfigError, match="rollout_shards=20: must be a multiple of the 32 vLLM engines"):
+        DAPOConfig.paper_32b().replace(execution="colocated", rollout_shards=20)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3: must divide trainer_nproc_per_node=8"):
+        DAPOConfig.paper_32b().replace(execution="colocated", tensor_parallel_size=3, rollout_shards=40)
+    with pytest.raises(ConfigError, match="rollout_backend='hf': must be 'vllm' with tensor_parallel_size > 1"):
+        DAPOConfig.paper_32b().replace(execution="colocated", rollout_backend="hf")
+    with pytest.raises(ConfigError, match="colocated_rollout_gpu_memory=1.0: must lie in"):
+        DAPOConfig.tiny_cpu().replace(colocated_rollout_gpu_memory=1.0)
 
 
 def test_unknown_fields_and_presets_are_refused():

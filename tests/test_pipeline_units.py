@@ -172,9 +172,13 @@ def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
     assert rollout_metrics_of(rollout_table({"g": ["a", "b"]})) == {}
 
 
-def test_tensor_parallelism_beyond_the_pods_gpus_names_the_setting(tmp_path):
+def test_tensor_parallelism_beyond_the_pods_gpus_names_the_setting(tmp_path, monkeypatch):
     import torch
 
+    from dapo import pipeline
+
+    assert pipeline.vllm_on_cpu()  # here vLLM's CPU build runs tensor parallelism without GPUs
+    monkeypatch.setattr(pipeline, "vllm_on_cpu", lambda: False)  # a CUDA build, as in the rollout image
     cfg = config(tensor_parallel_size=torch.cuda.device_count() + 2)
     with pytest.raises(RuntimeError, match="tensor_parallel_size"):
         policy_engine(cfg, str(tmp_path))
