@@ -14,6 +14,13 @@ script itself), all with generated policies (no hub):
    (benchmarks/rollout.py).
 5. peak GPU memory (torch's allocator in this process, and nvidia-smi).
 
+Without vLLM (--no-vllm, chosen by itself when `import vllm` fails: a machine with CUDA torch,
+transformers and DeepSpeed only) the vLLM parts above are skipped, and the same questions are
+asked of transformers' generate as the rollout engine (rollout_backend="hf"), DeepSpeed the
+trainer: hf_colocated (three colocated steps, tied and untied), hf_step (one per-stage step,
+tied) and hf_gap (trainer vs HF engine after an in-memory sync and on a fresh engine):
+benchmarks/gpu_check_hf.py.
+
 Writes OUT/gpu_check.json and prints it.
 """
 
@@ -100,7 +107,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check"))
     parser.add_argument("--cpu", action="store_true", help="run on CPU (fp32 only, smaller) to check the script")
-    parser.add_argument("--parts", default="speed,gaps,step,colocated")
+    parser.add_argument("--parts", help="default: speed,gaps,step,colocated; with --no-vllm: hf_colocated,hf_step,hf_gap")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="skip the vLLM parts; run the hf-rollout parts (the default when vllm cannot be imported)")
     parser.add_argument("--dtypes", nargs="+", help="gap dtypes (default: bfloat16 on a GPU, float32 on CPU)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -121,16 +130,42 @@ def main() -> None:
     dtypes = args.dtypes or (["bfloat16"] if on_gpu else ["float32"])
     size = dict(hidden_size=256, num_hidden_layers=4) if on_gpu else {}
     engine_options = {"gpu_memory_utilization": 0.3} if on_gpu else {}
-    parts = set(args.parts.split(","))
     report: dict = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__}
+    no_vllm = args.no_vllm
+    if not no_vllm:
+        try:
+            import vllm
+
+            report["vllm"] = vllm.__version__
+        except ImportError as error:
+            no_vllm = True
+            report["vllm_skipped"] = f"import vllm failed ({error})"
+    else:
+        report["vllm_skipped"] = "--no-vllm"
+    import transformers
+
+    report["transformers"] = transformers.__version__
     try:
-        import vllm
+        import deepspeed
 
-        report["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+        report["deepspeed"] = deepspeed.__version__
+    except ImportError as error:
+        report["deepspeed"] = f"not importable: {error}"
+    parts = set((args.parts or ("hf_colocated,hf_step,hf_gap" if no_vllm else "speed,gaps,step,colocated")).split(","))
+    if no_vllm:
+        skipped = sorted(parts & {"speed", "gaps", "step", "colocated"})
+        parts -= {"speed", "gaps", "step", "colocated"}
+        log(f"vLLM parts SKIPPED ({report['vllm_skipped']}): the vLLM-vs-transformers gaps, the vLLM step and colocated run, "
+            f"vLLM tokens/s{f' (asked for: {skipped})' if skipped else ''}; running the hf-rollout parts {sorted(parts)}")
+        report["vllm_parts_skipped"] = ["speed", "gaps", "step", "colocated"]
+        from benchmarks import gpu_check_hf
 
-    if on_gpu:
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        gpu_check_hf.run(parts, work, size, dtypes[0], on_gpu, report)
+        parts = set()
+
+    if on_gpu and not no_vllm:
         # In-process vLLM and DeepSpeed share the GPU here: cap vLLM's share (its default
         # reserves 90% of the GPU). pipeline.policy_engine looks the function up at call time.
         import functools
@@ -172,6 +207,7 @@ def main() -> None:
         close_cached_rollout_engine()
 
     if on_gpu:
+        # with --no-vllm the parts reset torch's peak per step: their overall peak is peak_gpu_allocated_gib_torch_overall
         report["peak_gpu_memory_gib_torch"] = torch.cuda.max_memory_reserved() / 2**30
 
     if on_gpu:

@@ -16,6 +16,10 @@
 #   PIP_INDEX_URL=http://mirror/simple benchmarks/gpu_check.sh   # or from a reachable package index
 #   PYTHON=/opt/venv/bin/python benchmarks/gpu_check.sh          # use a ready env (e.g. the dapo-gpu image)
 #   benchmarks/gpu_check.sh --cpu                # check the script on a CPU with the dev venv (fp32, small)
+#   PYTHON=python3 benchmarks/gpu_check.sh --no-vllm   # a machine without vLLM (CUDA torch, transformers,
+#       DeepSpeed and the pure-Python deps only): the vLLM parts are skipped (also automatically when
+#       `import vllm` fails) and the rollout engine is transformers' generate (benchmarks/gpu_check_hf.py);
+#       benchmarks/gpu_check.sh --cpu --no-vllm checks that mode here
 #
 # What it installs: exactly the pins of the GPU image (python images/pins.py gpu) under the
 # full lock images/constraints-gpu.txt (CUDA builds of torch 2.13.0, vllm 0.32.0,
@@ -72,7 +76,7 @@ if [[ "$MODE" == gpu ]]; then
   (while sleep 1; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done) > "$OUT/nvidia_smi_used_mib.txt" 2>/dev/null &
   SAMPLER=$!
   trap 'kill "$SAMPLER" 2>/dev/null || true' EXIT
-  timeout 420 "$PY" "$REPO/benchmarks/gpu_check.py" --out "$OUT" "$@"
+  timeout "${CHECK_TIMEOUT:-420}" "$PY" "$REPO/benchmarks/gpu_check.py" --out "$OUT" "$@"
   peak="$(sort -n "$OUT/nvidia_smi_used_mib.txt" | tail -1)"
   log "peak GPU memory used (nvidia-smi, whole GPU): ${peak:-?} MiB"
 else
