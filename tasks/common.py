@@ -122,10 +122,13 @@ def trainer_settings(config: DAPOConfig) -> dict:
 
 
 def colocated_settings(config: DAPOConfig) -> dict:
-    """A colocated chunk's pod: the trainer's GPU, CPUs and memory; disk for the input
-    checkpoint and its records (the newest checkpoint and the one being written)."""
-    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"], mem_gib=TRAINER_PER_GPU["mem_gib"], gpus=1,
-                         disk_bytes=3 * config.checkpoint_bytes)
+    """A colocated chunk's pod (one per node): the trainer's GPUs, CPUs and memory; disk for
+    the input checkpoint, and its records (the newest checkpoint and the one being
+    written) unless they go to trainer_shared_dir (over several nodes, tasks.train.records_dir)."""
+    gpus = config.trainer_nproc_per_node
+    copies = 1 if config.trainer_nnodes > 1 else 3
+    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
+                         disk_bytes=copies * config.checkpoint_bytes)
 
 
 def bootstrap_settings(config: DAPOConfig) -> dict:

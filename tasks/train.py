@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 import typing
 
@@ -17,7 +18,7 @@ from flytekitplugins.kfpytorch import Elastic
 
 from dapo import pipeline, report
 from dapo.config import DAPOConfig
-from dapo.trainer import local_rank0_first, prune_step_dirs, rank0_value
+from dapo.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
     DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
@@ -67,47 +68,51 @@ def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, samplin
 
 
 def policy_step_elastic(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
-    """policy_step's body, as the function of the Elastic tasks that elastic_policy_step makes."""
+    """policy_step's body, as the function of its Elastic tasks (elastic_task)."""
     return policy_step.task_function(config, policy, batch, sampling_state, step)
 
 
-class ElasticPolicyStepResolver(TrackedInstance, TaskResolverMixin):
-    """Finds an elastic policy step again in its pod, from its shape.
+class ElasticTaskResolver(TrackedInstance, TaskResolverMixin):
+    """Finds an elastic task (policy_step or colocated_chunk) again in its pod, from its name
+    and shape.
 
     The elastic tasks are made at run time from the run's config (in train_chunk), so
     flytekit's default resolver, which imports a task by its module attribute, cannot
-    load them; this one rebuilds the task from (nnodes, nproc_per_node).
+    load them; this one rebuilds the task from (name, nnodes, nproc_per_node).
     """
 
     def name(self) -> str:
-        return "ElasticPolicyStepResolver"
+        return "ElasticTaskResolver"
 
     def load_task(self, loader_args: list[str]) -> PythonTask:
-        _, nnodes, _, nproc_per_node = loader_args
-        return elastic_policy_step(int(nnodes), int(nproc_per_node))
+        name, _, nnodes, _, nproc_per_node = loader_args
+        return elastic_task(name, int(nnodes), int(nproc_per_node))
 
     def loader_args(self, settings, task: PythonTask) -> list[str]:
-        return ["nnodes", str(task.task_config.nnodes), "nproc-per-node", str(task.task_config.nproc_per_node)]
+        name = next(n for n, (function, _) in ELASTIC_TASKS.items() if function is task.task_function)
+        return [name, "nnodes", str(task.task_config.nnodes), "nproc-per-node", str(task.task_config.nproc_per_node)]
 
     def get_all_tasks(self) -> list[PythonTask]:
         raise NotImplementedError
 
 
-elastic_resolver = ElasticPolicyStepResolver()
+elastic_resolver = ElasticTaskResolver()
 
 
-def elastic_policy_step(nnodes: int, nproc_per_node: int) -> PythonTask:
-    """The policy step as a torch-elastic task: nproc_per_node processes (GPUs) on each of
-    nnodes pods; a plain pod for one node, a PyTorchJob (training-operator) for more.
+def elastic_task(name: str, nnodes: int, nproc_per_node: int) -> PythonTask:
+    """policy_step or colocated_chunk as a torch-elastic task: nproc_per_node processes
+    (GPUs) on each of nnodes pods; a plain pod for one node, a PyTorchJob
+    (training-operator) for more.
 
     increase_shared_mem=False: the GPU pod templates already mount /dev/shm. More than one
     node runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir.
     """
+    function, settings = ELASTIC_TASKS[name]
     template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 else GPU_POD_TEMPLATE_NAME
     elastic = task(
-        policy_step_elastic,
+        function,
         task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False),
-        **trainer_pod(gpus=nproc_per_node, pod_template_name=template),
+        **settings(nproc_per_node, template),
     )
     # Set after construction: a task made inside a dynamic workflow (train_chunk) takes the
     # dynamic's resolver from the compilation state instead of the one passed to task(),
@@ -120,7 +125,7 @@ def policy_step_for(config: DAPOConfig) -> PythonTask:
     """policy_step for one training process, else the elastic step of the config's shape."""
     if config.trainer_world_size == 1:
         return policy_step
-    return elastic_policy_step(config.trainer_nnodes, config.trainer_nproc_per_node)
+    return elastic_task("policy_step", config.trainer_nnodes, config.trainer_nproc_per_node)
 
 
 ColocatedOutput = typing.NamedTuple(
@@ -130,37 +135,85 @@ ColocatedOutput = typing.NamedTuple(
 
 def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, last_step: int) -> str:
     """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated):
-    ~/.flyte/dapo-colocated/run-<run key>/chunk-<steps>-<input checkpoint's hash>, so that
-    the chunk run again finds them. That outlives a killed local run, not a pod: on a
-    cluster a retried chunk starts again from its input checkpoint."""
+    <root>/run-<run key>/chunk-<steps>-<input checkpoint's hash>, so that the chunk run
+    again finds them. The root is trainer_shared_dir/colocated for a chunk over several
+    nodes (the volume they all mount, dapo-gpu-shared: a retried pod resumes there too),
+    else ~/.flyte/dapo-colocated (one node; it outlives a killed local run, not a pod)."""
     source = policy.remote_source or policy.path
     key = hashlib.sha256(f"{source}|{first_step}|{last_step}".encode()).hexdigest()[:16]
-    root = os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated", "run-" + run_key(config))
-    return os.path.join(root, f"chunk-{first_step}-{last_step}-{key}")
+    if config.trainer_nnodes > 1:
+        root = os.path.join(config.trainer_shared_dir, "colocated")
+    else:
+        root = os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated")
+    return os.path.join(root, "run-" + run_key(config), f"chunk-{first_step}-{last_step}-{key}")
 
 
-@task(cache=cache("colocated_chunk"), container_image=GPU_IMAGE, **gpu_pod(1, TRAINER_PER_GPU), **DECKS)
+def prune_finished_chunks(records: str, first_step: int) -> list[str]:
+    """Remove the run's records of chunks that ended at or before first_step: their last
+    checkpoint went on as their task's output, and at 32B each holds ~0.5 TB."""
+    parent = os.path.dirname(records)
+    removed = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        parts = name.split("-")
+        if name.startswith("chunk-") and len(parts) == 4 and parts[2].isdigit() and int(parts[2]) <= first_step:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
+    """Task settings of a colocated chunk's pod: the GPU image (vLLM and DeepSpeed), the trainer's share per GPU."""
+    return {"cache": cache("colocated_chunk"), "container_image": GPU_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
+            **DECKS}
+
+
+@task(**chunk_pod(gpus=1))
 @task_entry
 def colocated_chunk(
     config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
     checkpoint_every: int,
 ) -> ColocatedOutput:
-    """Steps [first_step, last_step) in this one pod, the trainer and vLLM resident
+    """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
     (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
     between steps. Each step prints its line and goes to MLflow as it ends (what MLflow
     does not take goes to the returned outbox); its record lets a killed chunk go on after
     its last checkpointed step (one every checkpoint_every steps: the run's
-    colocated_checkpoint_every, an input of its own as the step config leaves it out)."""
+    colocated_checkpoint_every, an input of its own as the step config leaves it out).
+
+    Under torch elastic every rank runs this: the inputs are downloaded once per node,
+    rank 0 reports the steps, and flytekit returns rank 0's outputs."""
     from dapo.colocated import run_colocated
     from tasks.tracking import LoopState, report_step
 
     delivery = LoopState()
+    local_rank0_first(policy.download)  # one download per node, into the paths every rank reads
+    local_rank0_first(data.download)
+    records = records_dir(config, policy, first_step, last_step)
+    if launcher_rank() == 0:
+        prune_finished_chunks(records, first_step)
     result = run_colocated(
-        config, policy.download(), data.download(), first_step, last_step - first_step,
-        records_dir(config, policy, first_step, last_step), checkpoint_every=checkpoint_every,
+        config, policy.path, data.path, first_step, last_step - first_step, records, checkpoint_every=checkpoint_every,
         on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
     )
     rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]
     Deck("This chunk", report.html_table(rows))
     return ColocatedOutput(directory_output(result.checkpoint_dir), result.step_metrics, delivery.outbox)
 
+
+def colocated_chunk_elastic(
+    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
+    checkpoint_every: int,
+) -> ColocatedOutput:
+    """colocated_chunk's body, as the function of its Elastic tasks (elastic_task)."""
+    return colocated_chunk.task_function(config, target_json, policy, data, first_step, last_step, checkpoint_every)
+
+
+ELASTIC_TASKS = {"policy_step": (policy_step_elastic, trainer_pod), "colocated_chunk": (colocated_chunk_elastic, chunk_pod)}
+"""The bodies that run as elastic tasks, and their task settings from (GPUs per pod, pod template)."""
+
+
+def colocated_chunk_for(config: DAPOConfig) -> PythonTask:
+    """colocated_chunk for one process, else its elastic task of the config's trainer shape."""
+    if config.trainer_world_size == 1:
+        return colocated_chunk
+    return elastic_task("colocated_chunk", config.trainer_nnodes, config.trainer_nproc_per_node)

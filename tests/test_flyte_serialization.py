@@ -117,7 +117,7 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     resolver, the full batch passes through an echo task (no pod), retries and timeouts."""
     import datetime
 
-    config = DAPOConfig.paper_32b().replace(gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
                            target_json="{}", loop_state="", first_step=0, last_step=1, model_name="m")
     registered = {image.image_name() for image in (CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE)}
@@ -125,7 +125,9 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     assert {t.container.image for t in tasks.values() if t.container} <= registered
     elastic = next(t for name, t in tasks.items() if name.endswith("policy_step_elastic"))
     args = elastic.container.args
-    assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "nnodes", "16", "nproc-per-node", "8"]
+    assert args[args.index("--resolver") + 1:] == [
+        "tasks.train.elastic_resolver", "--", "policy_step", "nnodes", "16", "nproc-per-node", "8",
+    ]
     # the full batch passes later rounds through echo tasks of one input each (the plugin echoes one)
     echoes = [t for t in spec.tasks if t.type == "echo"]
     assert sorted(t.id.name for t in echoes) == ["keep_batch", "keep_done", "keep_sampling_state"]
@@ -167,6 +169,37 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
 
 
+def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_path):
+    """execution="colocated" at the paper's scale: train_chunk emits the chunk's 10 steps as
+    one PyTorchJob of 16 pods x 8 GPUs, each GPU one rank (a DeepSpeed ZeRO-3 rank and one
+    of the 4 ranks of a vLLM engine: 32 engines, one rollout shard each), in the gpu image,
+    on the pod template with the shared volume where its records live."""
+    config = DAPOConfig.paper_32b().replace(execution="colocated", gpu_accelerator="nvidia-h100", val_every=10)
+    assert config.rollout_groups == config.rollout_shards == 32
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
+                           target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
+    names = [n.task_node.reference_id.name.split(".")[-1] for n in spec.nodes if n.task_node is not None]
+    assert names == ["colocated_chunk_elastic", "log_chunk", "evaluate", "register_model"]
+    template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk_elastic"))
+    assert template.type == "pytorch" and template.custom["workerReplicas"]["replicas"] == 16
+    assert template.custom["elasticConfig"] == {"rdzvBackend": "c10d", "minReplicas": 16, "maxReplicas": 16, "nprocPerNode": 8}
+    assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu-shared"
+    assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
+    args = template.container.args
+    loader = args[args.index("--resolver") + 1:]
+    assert loader == ["tasks.train.elastic_resolver", "--", "colocated_chunk", "nnodes", "16", "nproc-per-node", "8"]
+    rebuilt = train.elastic_resolver.load_task(loader[2:])
+    assert rebuilt.task_function is train.colocated_chunk_elastic and rebuilt.task_config.nproc_per_node == 8
+    chunk = next(n for n in spec.nodes if n.metadata.name.endswith("colocated_chunk_elastic"))
+    requests = node_requests(chunk.task_node.overrides)
+    assert requests["gpu"] == "8" and requests["cpu"] == "128" and requests["memory"] == "1024Gi"
+    # the input checkpoint only: the records are on trainer_shared_dir
+    assert float(requests["ephemeral_storage"].removesuffix("Gi")) * 2**30 >= config.checkpoint_bytes
+    assert chunk.task_node.overrides.extended_resources.gpu_accelerator.device == "nvidia-h100"
+    assert chunk.metadata.retries.retries == config.task_retries == 2
+    assert train.records_dir(config, FlyteDirectory("s3://b/policy-0"), 0, 10).startswith("/mnt/dapo-shared/colocated/run-")
+
+
 def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images():
     """rollout and verify_rewards are ArrayNodes over the shard list (of any length,
     rollout_shards at run time), their sub-tasks keep image, GPU, pod template and cache."""
@@ -193,7 +226,7 @@ def test_policy_step_is_one_pod_for_one_process():
 
 @pytest.mark.parametrize("nnodes, nproc", [(16, 8), (2, 1)])
 def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
-    config = DAPOConfig.paper_32b().replace(trainer_nnodes=nnodes, trainer_nproc_per_node=nproc)
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", trainer_nnodes=nnodes, trainer_nproc_per_node=nproc)
     template = serialize(train.policy_step_for(config)).template
     assert template.type == "pytorch"  # the PyTorchJob plugin (training-operator)
     assert template.custom["workerReplicas"]["replicas"] == nnodes
@@ -209,9 +242,10 @@ def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
     # the pod finds the task again from its shape (the tasks are made at run time)
     args = template.container.args
     loader = args[args.index("--resolver") + 1 :]
-    assert loader == ["tasks.train.elastic_resolver", "--", "nnodes", str(nnodes), "nproc-per-node", str(nproc)]
+    assert loader == ["tasks.train.elastic_resolver", "--", "policy_step", "nnodes", str(nnodes), "nproc-per-node", str(nproc)]
     rebuilt = train.elastic_resolver.load_task(loader[2:])
     assert (rebuilt.task_config.nnodes, rebuilt.task_config.nproc_per_node) == (nnodes, nproc)
+    assert rebuilt.task_function is train.policy_step_elastic
 
 
 def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
@@ -236,7 +270,7 @@ def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
     """The README's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
     step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
     biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
-    config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000)
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", train_data_path="s3://b/train.parquet", total_steps=1000)
     common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
     train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), steps_per_chunk=10,
                                  **common)

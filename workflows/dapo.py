@@ -49,7 +49,7 @@ from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
 from tasks.rollout import RoundResult, filter_groups, keep_batch, keep_done, keep_sampling_state, rollout, verify_rewards
 from tasks.tracking import RunSummary, end_failed_run, finish_tracking, log_chunk, log_step, register_model, start_tracking
-from tasks.train import colocated_chunk, policy_step_for
+from tasks.train import colocated_chunk_for, policy_step_for
 
 DEFAULT_STEPS_PER_CHUNK = 10
 DYNAMIC_POD = {"container_image": CPU_IMAGE, "requests": Resources(cpu="1", mem="2Gi")}
@@ -108,7 +108,7 @@ def train_chunk(
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
     config's trainer shape (tasks.train.policy_step_for). The pods are shaped from the
     whole config; the tasks get the step config (their cache key). With
-    execution="colocated" the steps run in one colocated_chunk pod instead."""
+    execution="colocated" the steps run in one colocated_chunk task instead."""
     if config.execution == "colocated":
         return colocated_steps(config, step_config, target_json, data, policy, loop_state, first_step, last_step, model_name)
     shards = list(range(config.rollout_shards))
@@ -138,11 +138,14 @@ def train_chunk(
 
 def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: str, data, policy, loop_state, first_step: int,
                     last_step: int, model_name: str):
-    """The chunk's steps in one colocated_chunk pod, then log_chunk; validated once, on the
-    chunk's last checkpoint, when a validation step falls in the chunk."""
-    policy, metrics, outbox = colocated_chunk(config=step_config, target_json=target_json, policy=policy, data=data,
-                                              first_step=first_step, last_step=last_step,
-                                              checkpoint_every=config.colocated_checkpoint_every).with_overrides(**colocated_settings(config))
+    """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
+    tasks.train.colocated_chunk_for), then log_chunk; validated once, on the chunk's last
+    checkpoint, when a validation step falls in the chunk."""
+    chunk = colocated_chunk_for(config)
+    policy, metrics, outbox = chunk(config=step_config, target_json=target_json, policy=policy, data=data, first_step=first_step,
+                                    last_step=last_step, checkpoint_every=config.colocated_checkpoint_every).with_overrides(
+        **colocated_settings(config)
+    )
     loop_state = log_chunk(config=step_config, target_json=target_json, loop_state=loop_state, first_step=first_step,
                            step_metrics=metrics, outbox=outbox).with_overrides(**cpu_settings(config))
     if any(is_validation_step(step, config.val_every, config.total_steps) for step in range(first_step + 1, last_step + 1)):
