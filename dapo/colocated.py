@@ -36,7 +36,9 @@ import pyarrow.ipc
 from dapo import checkpoint
 from dapo.config import DAPOConfig
 from dapo.faults import crash_point
-from dapo.pipeline import policy_engine, regenerate_batch, sample_batch, skips_update, step_metrics, train_on_batch
+from dapo.pipeline import (
+    is_bad_step, policy_engine, regenerate_batch, sample_batch, skips_update, step_metrics, train_on_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +118,20 @@ def run_colocated(
 
     on_step(step, metrics) is called on rank 0 as each step completes, after its record
     (e.g. to log it to MLflow while the run goes on). Over several ranks out_root is one
-    directory for all of them (one node's disk, or a volume all nodes mount). A step the rollout guard stops (guard/stopped)
-    ends the run there, with its checkpoint written: the caller then calls
-    check_rollout_guard, as per-stage.
+    directory for all of them (one node's disk, or a volume all nodes mount).
+
+    The run ends early, its checkpoint written, after a step the rollout guard stops
+    (guard/stopped), or after config.max_bad_steps consecutive bad steps (no update
+    applied, some refused as non-finite): the caller then raises as per stage
+    (check_rollout_guard, count_bad_steps), and a long chunk does not go on sampling
+    from a policy that no longer trains.
     """
     from dapo.trainer import make_trainer, prune_step_dirs
 
     out_root = Path(out_root)
     result = completed_steps(out_root, first_step, n_steps)
     done = len(result.step_metrics)
-    if done == n_steps or (done and result.step_metrics[-1]["guard/stopped"]):
+    if done == n_steps or stops_the_run(config, result.step_metrics):
         return result
     if done:
         policy_dir = result.checkpoint_dir
@@ -157,19 +163,34 @@ def run_colocated(
                 write_step_record(out_root, step, metrics)
             result.step_metrics.append(metrics)
             done = step + 1 - first_step
-            if done == n_steps or metrics["guard/stopped"] or done % max(1, checkpoint_every) == 0:
+            stop = stops_the_run(config, result.step_metrics)
+            if done == n_steps or stop or done % max(1, checkpoint_every) == 0:
                 result.checkpoint_dir = str(out_root / f"policy-{step + 1}")
                 trainer.save(result.checkpoint_dir, step=step)
                 if trainer.is_main:
                     prune_step_dirs(out_root, keep=1)  # a resume needs the newest checkpoint only
             if on_step and trainer.is_main:
                 on_step(step, metrics)
-            if metrics["guard/stopped"]:
-                logger.error("step %d: the rollout guard stopped the colocated run after %d of %d steps", step, done, n_steps)
+            if stop:
+                logger.error("step %d: the colocated run stops after %d of %d steps (%s)", step, done, n_steps,
+                             "the rollout guard" if metrics["guard/stopped"] else f"{config.max_bad_steps} bad steps in a row")
                 break
     finally:
         trainer.close()
     return result
+
+
+def stops_the_run(config: DAPOConfig, step_metrics: list[dict[str, float]]) -> bool:
+    """Whether the last of these steps ends the run: the rollout guard stopped it, or it is
+    the config.max_bad_steps-th bad step in a row."""
+    if not step_metrics:
+        return False
+    trailing_bad = 0
+    for metrics in reversed(step_metrics):
+        if not is_bad_step(metrics):
+            break
+        trailing_bad += 1
+    return bool(step_metrics[-1]["guard/stopped"]) or trailing_bad >= config.max_bad_steps
 
 
 def write_step_record(out_root: Path, step: int, metrics: dict[str, float]) -> None:

@@ -489,12 +489,14 @@ class TooManyBadSteps(RuntimeError):
     """Consecutive policy steps whose every update was refused as non-finite."""
 
 
+def is_bad_step(step_metrics: dict[str, float]) -> bool:
+    """A step that refused at least one non-finite update and applied none."""
+    return step_metrics.get("actor/nonfinite_updates", 0.0) > 0 and step_metrics.get("actor/num_updates", 0.0) == 0
+
+
 def count_bad_steps(bad_steps: int, step_metrics: dict[str, float], max_bad_steps: int, step: int) -> int:
-    """Consecutive bad steps after this one: a step is bad when it refused at least one
-    non-finite update and applied none. Raises TooManyBadSteps at max_bad_steps."""
-    refused = step_metrics.get("actor/nonfinite_updates", 0.0)
-    bad = refused > 0 and step_metrics.get("actor/num_updates", 0.0) == 0
-    bad_steps = bad_steps + 1 if bad else 0
+    """Consecutive bad steps (is_bad_step) after this one. Raises TooManyBadSteps at max_bad_steps."""
+    bad_steps = bad_steps + 1 if is_bad_step(step_metrics) else 0
     if bad_steps >= max_bad_steps:
         raise TooManyBadSteps(
             f"step {step}: {bad_steps} consecutive steps with a non-finite loss or gradient "

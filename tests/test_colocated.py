@@ -132,3 +132,35 @@ def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_
     assert (last["guard/regenerated"], last["guard/stopped"], last["step/skipped"]) == (1.0, 0.0, 0.0)
     assert last["actor/rollout_logprob_diff"] < config.rollout_gap_threshold
     assert (tmp_path / "colocated" / "regenerate-1" / "model.safetensors").is_file()
+
+
+def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tmp_path, monkeypatch):
+    """A chunk whose updates are all refused as non-finite (the trainer's own refusal is
+    tested in test_trainer) stops at max_bad_steps in a row, its checkpoint written, instead
+    of sampling on for the rest of a long chunk; run again it runs nothing; log_chunk's count
+    then fails the run as per stage."""
+    import dapo.colocated
+
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    config = config.replace(max_bad_steps=2)
+    real_update = dapo.colocated.train_on_batch
+
+    def refused_from_step_1(trainer, config, batch, step, metrics, regenerate, label=""):
+        if step < 1:
+            return real_update(trainer, config, batch, step, metrics, regenerate, label)
+        metrics.update({"actor/num_updates": 0.0, "actor/nonfinite_updates": 1.0})  # as a step whose every update was refused
+        return True
+
+    monkeypatch.setattr(dapo.colocated, "train_on_batch", refused_from_step_1)
+    ran = []
+    with one_torch_thread():
+        result = run_colocated(config, policy_dir, data, 0, 5, tmp_path / "out", checkpoint_every=5,
+                               on_step=lambda step, metrics: ran.append(step))
+        assert ran == [0, 1, 2] and len(result.step_metrics) == 3
+        assert result.checkpoint_dir == str(tmp_path / "out" / "policy-3")
+        assert run_colocated(config, policy_dir, data, 0, 5, tmp_path / "out", on_step=lambda *_: ran.append(-1)).step_metrics \
+            == result.step_metrics and ran == [0, 1, 2]
+    bad = 0
+    with pytest.raises(pipeline.TooManyBadSteps, match="step 3: 2 consecutive steps"):
+        for offset, metrics in enumerate(result.step_metrics):
+            bad = pipeline.count_bad_steps(bad, metrics, config.max_bad_steps, offset + 1)
