@@ -10,9 +10,11 @@ named below with its source. Two execution modes:
   downloads the bf16 weights and starts vLLM; the policy step's pods each download the
   whole checkpoint (weights + optimizer state), start DeepSpeed, update once, save, and
   rank 0's pod uploads the new checkpoint as the task's output.
-- colocated (issue 14, not built yet): steps_per_chunk steps inside one GPU task with
-  vLLM and the trainer resident, the weights synced in memory every step; the
-  checkpoint download, the engine starts and the save/upload happen once a chunk.
+- colocated (dapo.colocated): steps_per_chunk steps inside one GPU task (the trainer's
+  ranks, each also in a vLLM engine) with vLLM and the trainer resident, the weights
+  synced in memory every step; the checkpoint download, the engine starts and the
+  upload happen once a chunk, and each node saves its share of a record checkpoint every
+  colocated_checkpoint_every steps (on trainer_shared_dir, not through the store).
 
 Pods that run at the same time download at the same time, each at one client's
 bandwidth (no limit on the store's side is modelled). Left out in both modes: pod
@@ -27,6 +29,7 @@ are a lower bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,8 +202,11 @@ def trainer_restart(model: Model, scenario: Scenario) -> tuple[float, float]:
     return (model.nodes + 1) * ckpt, seconds
 
 
-def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario) -> StepCost:
-    """One step's cost in mode; per_stage restarts every step whatever steps_per_chunk."""
+def step_cost(
+    model: Model, mode: str, steps_per_chunk: int, scenario: Scenario, checkpoint_every: int = PAPER.colocated_checkpoint_every
+) -> StepCost:
+    """One step's cost in mode; per_stage restarts every step whatever steps_per_chunk.
+    Colocated saves a checkpoint every checkpoint_every steps and after the chunk's last."""
     if steps_per_chunk < 1:
         raise ValueError(f"steps_per_chunk must be >= 1, got {steps_per_chunk}")
     trainer_bytes, trainer_s = trainer_restart(model, scenario)
@@ -210,8 +216,10 @@ def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario)
         return StepCost(model.engines, 1, rollout_bytes + trainer_bytes, 1, rollout_s + trainer_s, compute_s(model))
     if mode == "colocated":
         n = steps_per_chunk
-        chunk_s = trainer_s + vllm_start_s(model, scenario)  # vLLM gets its weights from the trainer, not the store
-        return StepCost(model.engines / n, 1 / n, trainer_bytes / n, 1 / n, chunk_s / n + sync_s(model, scenario), compute_s(model))
+        saves = math.ceil(n / checkpoint_every)  # the last one is trainer_restart's save
+        records_s = (saves - 1) * model.checkpoint_bytes / model.nodes / scenario.save_bytes_s
+        chunk_s = trainer_s + vllm_start_s(model, scenario) + records_s  # vLLM gets its weights from the trainer, not the store
+        return StepCost(model.engines / n, 1 / n, trainer_bytes / n, saves / n, chunk_s / n + sync_s(model, scenario), compute_s(model))
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
@@ -255,6 +263,8 @@ def sources(low: Scenario, high: Scenario, handoff: dict[str, float]) -> list[st
         "(ray-project/ray#38695); FlyteFile 10x slower than s5cmd (flyteorg/flyte#6455)",
         f"- DeepSpeed start: {DEEPSPEED_START_S / 60:.0f} min for a {DEEPSPEED_START_BILLIONS}B model with HF "
         "(deepspeedai/DeepSpeed#7369), scaled by parameters",
+        f"- colocated records: a checkpoint every {PAPER.colocated_checkpoint_every} steps (paper_32b's "
+        "colocated_checkpoint_every), each node its share at the save rate above",
         "- clusters: 32B as paper_32b (16 nodes x 8 GPUs, vLLM TP 4, 32 rollout pods); assumed 1.5B on 1 node (TP 1), "
         "7B on 4 nodes (TP 2); Qwen2.5 sizes 1.54B, 7.61B, 32.8B",
         "- left out: pod scheduling and image pulls, Flyte's task overhead, validation, dynamic-sampling rounds past "

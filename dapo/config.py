@@ -396,11 +396,14 @@ class DAPOConfig:
     def paper_32b(cls) -> "DAPOConfig":
         """Qwen2.5-32B on DAPO-Math-17k as in the paper and verl's recipe.
 
-        Sized for the recipe's cluster, 16 nodes x 8 H100/H200 (80-141 GB): rollout as
-        32 vLLM pods of tensor parallel 4 (128 GPUs, 48 of the round's 1536 prompts each),
-        then the policy step as one ZeRO-3 DeepSpeed job over all 16 x 8 GPUs (a
-        PyTorchJob), its checkpoint on a volume every trainer node mounts. Rollout and
-        training take turns on the same GPUs, as in verl. No format reward, to stay faithful.
+        Sized for the recipe's cluster, 16 nodes x 8 H100/H200 (80-141 GB), colocated as
+        in verl: each chunk of steps is one PyTorchJob over all 16 x 8 GPUs, each GPU a
+        ZeRO-3 DeepSpeed rank and one of the 4 ranks of a vLLM engine (32 engines, 48 of
+        the round's 1536 prompts each), rollout and training taking turns on the same GPUs;
+        a record checkpoint every 10 steps on a volume every node mounts (at ~0.5 TB each,
+        one a step would cost ~6% of a step: benchmarks/cluster_cost.py). per_stage runs
+        the same steps as 32 rollout pods of 4 GPUs and a 16 x 8 policy-step job a step.
+        No format reward, to stay faithful.
         The data has no default: pass DAPO-Math-17k and the validation set as URIs
         (train_data_path / val_data_path, e.g. s3://bucket/dapo-math-17k.parquet).
         A task may run 4 hours (a step of the verl recipe on 128 GPUs is ~31 min) and is
@@ -412,6 +415,8 @@ class DAPOConfig:
             clip_ratio_c=10.0,
             total_steps=1000,
             zero_stage=3,
+            execution="colocated",
+            colocated_checkpoint_every=10,
             tensor_parallel_size=4,
             rollout_shards=32,
             trainer_nnodes=16,

@@ -1,6 +1,7 @@
 """The cluster cost model of benchmarks/cluster_cost.py: its claims hold for every input it prints."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -23,7 +24,10 @@ def test_colocated_moves_and_restarts_less_than_per_stage_for_any_chunk(model, s
         assert colocated.bytes_moved == pytest.approx(one_step_chunk.bytes_moved / n)  # one state load and save a chunk
         assert colocated.overhead_s < per_stage.overhead_s
         assert colocated.vllm_starts == pytest.approx(per_stage.vllm_starts / n)  # one start a chunk, per engine
-        assert colocated.checkpoint_writes == pytest.approx(1 / n)
+        every = DAPOConfig.paper_32b().colocated_checkpoint_every  # a record every 10 steps, and after the chunk's last
+        assert colocated.checkpoint_writes == pytest.approx(math.ceil(n / every) / n)
+        once = cc.step_cost(model, "colocated", n, scenario, checkpoint_every=n)
+        assert once.checkpoint_writes == pytest.approx(1 / n) and once.overhead_s <= colocated.overhead_s
 
 
 @pytest.mark.parametrize("scenario", [LOW, HIGH], ids=lambda s: s.name)

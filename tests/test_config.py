@@ -65,8 +65,9 @@ def test_scale_out_knobs():
         tiny.replace(dynamic_sampling=False, rollout_shards=17)
 
 
-def test_execution_mode_defaults_to_per_stage_and_is_no_part_of_the_step_config():
-    assert DAPOConfig().execution == DAPOConfig.tiny_cpu().execution == DAPOConfig.paper_32b().execution == "per_stage"
+def test_execution_mode_defaults_and_is_no_part_of_the_step_config():
+    assert DAPOConfig().execution == DAPOConfig.tiny_cpu().execution == "per_stage"
+    assert DAPOConfig.paper_32b().execution == "colocated" and DAPOConfig.paper_32b().colocated_checkpoint_every == 10
     colocated = DAPOConfig.tiny_cpu().replace(execution="colocated")
     assert colocated.execution == "colocated"
     # both modes compute the same steps: switching keeps the step tasks' cache keys

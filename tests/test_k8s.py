@@ -427,15 +427,18 @@ def _stage_requests(settings: dict, pods: int) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("stage", ["policy_step", "rollout_round"])
+@pytest.mark.parametrize("stage", ["colocated_chunk", "policy_step", "rollout_round"])
 def test_quota_admits_each_stage_of_paper_32b(stage):
-    """The biggest stages of the paper's run, as the workflow shapes their pods, fit the
-    namespace quota (with room for the dynamic workflows and small CPU pods)."""
-    from tasks.common import rollout_settings, trainer_settings
+    """The biggest stages of the paper's run, as the workflow shapes their pods in either
+    execution mode, fit the namespace quota (with room for the dynamic workflows and small CPU pods)."""
+    from tasks.common import colocated_settings, rollout_settings, trainer_settings
 
     config = DAPOConfig.paper_32b()
-    needed = (_stage_requests(trainer_settings(config), config.trainer_nnodes) if stage == "policy_step"
-              else _stage_requests(rollout_settings(config), config.rollout_shards))
+    needed = {
+        "colocated_chunk": lambda: _stage_requests(colocated_settings(config), config.trainer_nnodes),
+        "policy_step": lambda: _stage_requests(trainer_settings(config), config.trainer_nnodes),
+        "rollout_round": lambda: _stage_requests(rollout_settings(config), config.rollout_shards),
+    }[stage]()
     hard: dict = {}
     for _, doc in DOCS:
         if doc["kind"] == "ResourceQuota" and doc["metadata"]["namespace"] == WORKLOAD_NS:
