@@ -7,7 +7,8 @@ bootstrap_policy -> evaluate + register_model (step 0) -> train_chunk -> sample_
 the conditional round -> policy_step -> log_step -> evaluate -> register_model; then the
 multi-node Elastic policy step that train_chunk emits for trainer_nnodes=2 runs as a
 2-worker PyTorchJob on the same inputs, and train_chunk with execution="colocated" runs
-its colocated_chunk (gpu image), log_chunk, evaluate and register_model.
+its colocated_chunk_elastic (gpu image, a PyTorchJob of 2 workers), log_chunk, evaluate
+and register_model.
 """
 
 from __future__ import annotations
@@ -236,27 +237,38 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     assert elastic[0].container.image in sim["registration"].images
 
 
-def test_colocated_chunk_emitted_by_train_chunk_runs_in_the_gpu_image(sim):
-    """train_chunk for execution="colocated", from the inputs of the per-stage chunk above:
-    it emits one colocated_chunk (in the gpu image: vLLM and DeepSpeed in one process) and
-    no per-stage node; the chunk trains the step, its step reaches MLflow, then log_chunk,
+def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu_image(sim):
+    """train_chunk for execution="colocated" over 2 nodes of one GPU, from the inputs of the
+    per-stage chunk above: it emits one colocated_chunk_elastic (a PyTorchJob in the gpu
+    image: each worker a DeepSpeed rank and a vLLM engine) and no per-stage node; its
+    resolver loads it in both worker pods, they train the step, sampling a rollout shard
+    each, keep their records on the shared volume, the step reaches MLflow, then log_chunk,
     evaluate and register_model run on its checkpoint."""
     from dapo import tracking
 
     chunks = [(node, t) for node, t in emitted(sim) if task_name(t) == "train_chunk"]
     assert chunks, "train_chunk was never emitted: " + failure(sim)
     propeller, root = sim["propeller"], sim["root"]
+    config = sim["config"].replace(execution="colocated", trainer_nnodes=2, trainer_nproc_per_node=1, rollout_shards=2,
+                                   trainer_shared_dir=str(root / "shared-colocated"))
     chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
-    chunk_inputs.literals["config"].CopyFrom(config_literal(sim["config"].replace(execution="colocated")))
+    chunk_inputs.literals["config"].CopyFrom(config_literal(config))
+    chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
     outputs = propeller.run_task_node("colocated-chunk", chunks[0][1], chunk_inputs, root / "store" / "colocated-chunk")
     spec = propeller.dynamic_specs["colocated-chunk"]
-    assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk", "evaluate", "log_chunk", "register_model"]
-    colocated = next(t for t in spec.tasks if task_name(t) == "colocated_chunk")
+    assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk_elastic", "evaluate", "log_chunk", "register_model"]
+    colocated = next(t for t in spec.tasks if task_name(t) == "colocated_chunk_elastic")
+    assert colocated.type == "pytorch" and colocated.custom["workerReplicas"]["replicas"] == 2
     assert image_role(colocated.container.image, sim["registration"]) == "gpu"
-    pod = next(p for p in pods_of(sim, "colocated_chunk"))
+    args = list(colocated.container.args)
+    assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "colocated_chunk", "nnodes", "2",
+                                                   "nproc-per-node", "1"]
+    pod = next(p for p in pods_of(sim, "colocated_chunk_elastic"))
     metrics = from_literal(podsim._read(literals_pb2.LiteralMap, pod.prefix / "outputs.pb").literals["metrics"], list[dict[str, float]])
     assert len(metrics) == 1 and all(math.isfinite(v) for v in metrics[0].values()), metrics
     assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
+    records = list((root / "shared-colocated" / "colocated").glob("run-*/chunk-0-1-*/steps/0.json"))
+    assert len(records) == 1, "the chunk's step record is not on the shared volume"
     from mlflow.tracking import MlflowClient
 
     logged = MlflowClient(sim["target"].tracking_uri).get_metric_history(tracking.Tracker(sim["target"]).run_id, "sampling/kept_groups")
