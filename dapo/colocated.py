@@ -142,6 +142,7 @@ def run_colocated(
     try:
         for step in range(first_step + done, first_step + n_steps):
             batch, state = sample_batch(config, policy_dir, data_dir, step, engine=engine, groups=groups)
+            engine.release_memory()  # the trainer may use the engine's GPU memory until the sync (where the engine can free it)
             started = time.perf_counter()
             metrics = step_metrics(config, batch, state)
             scratch = out_root / f"regenerate-{step}"
@@ -152,11 +153,11 @@ def run_colocated(
             crash_point("policy_step", step)
             if metrics["guard/regenerated"]:
                 engine = policy_engine(config, str(scratch))  # the fresh engine the regeneration started
-            if trained:
+            if trained or engine.released:  # a released engine gets the weights back even if the update was skipped
                 synced = time.perf_counter()
                 engine.load_weights_from_tensors(trainer.named_weights())
                 metrics["sync/seconds"] = time.perf_counter() - synced
-            else:
+            if not trained:
                 metrics["step/skipped"] = 1.0
             metrics["policy_step/seconds"] = time.perf_counter() - started
             if trainer.is_main:

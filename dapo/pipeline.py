@@ -574,6 +574,8 @@ def policy_engine(config: DAPOConfig, policy_dir: str):
             options.update(distributed_executor_backend="external_launcher", data_parallel_size=world // config.tensor_parallel_size)
         if gpus:
             options["gpu_memory_utilization"] = config.colocated_rollout_gpu_memory
+            if config.colocated_release_rollout_memory:
+                options["enable_sleep_mode"] = True
     return cached_rollout_engine(
         config.rollout_backend, policy_dir, dtype=config.dtype,
         max_model_len=config.max_prompt_length + config.max_response_length,

@@ -164,3 +164,40 @@ def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tm
     with pytest.raises(pipeline.TooManyBadSteps, match="step 3: 2 consecutive steps"):
         for offset, metrics in enumerate(result.step_metrics):
             bad = pipeline.count_bad_steps(bad, metrics, config.max_bad_steps, offset + 1)
+
+
+def test_an_engine_that_releases_its_weights_during_the_update_gets_them_back(tmp_path_factory, tmp_path, monkeypatch):
+    """release_memory as vLLM's sleep level 2 does it (a CUDA feature, so here the hf engine's
+    weights are discarded, made NaN): released, the engine refuses to generate; each step's
+    sync gives it the trainer's weights again, also after a step that skips its update
+    (step 0 here), and the steps are those of a run that never released anything, bit for bit."""
+    import dapo.colocated
+    from dapo.rollout import close_cached_rollout_engine, hf_engine
+
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    monkeypatch.setattr(dapo.colocated, "skips_update", lambda config, batch, state, step: step == 0)
+    with one_torch_thread():
+        kept = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "kept")
+    close_cached_rollout_engine()
+
+    def discard_weights(engine) -> bool:
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.fill_(float("nan"))
+        return True
+
+    monkeypatch.setattr(hf_engine.HFRolloutEngine, "_release_memory", discard_weights)
+    with one_torch_thread():
+        released = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "released")
+        engine = pipeline.policy_engine(config, policy_dir)
+        assert engine.release_memory() and engine.released
+        with pytest.raises(RuntimeError, match="released its memory"):
+            engine.generate(["1+1="], engine_sampling())
+    assert [m["step/skipped"] for m in released.step_metrics] == [1.0, 0.0]
+    assert_same_steps(kept.step_metrics, released.step_metrics, kept.checkpoint_dir, released.checkpoint_dir)
+
+
+def engine_sampling():
+    from dapo.rollout import SamplingSettings
+
+    return SamplingSettings(n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)

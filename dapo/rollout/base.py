@@ -183,11 +183,15 @@ class RolloutEngine(ABC):
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model_dir)
         self.weights_fingerprint = checkpoint_fingerprint(self.model_dir)  # which files the live weights came from
         self._closed = False
+        self.released = False
+        """Whether release_memory freed the engine's weights: it cannot generate until it gets weights again."""
 
     # --- the interface --------------------------------------------------------
     def generate(self, prompts: list[str], sampling: SamplingSettings, progress: ProgressFn | None = None) -> list[Completion]:
         """len(prompts) * sampling.n completions ordered by (prompt_index, sample_index)."""
         self._check_open()
+        if self.released:
+            raise RuntimeError(f"{self!r} released its memory (release_memory): give it weights (load_weights_from_tensors) first")
         sampling.validate()
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not a string")
@@ -218,6 +222,7 @@ class RolloutEngine(ABC):
             )
         fingerprint = checkpoint_fingerprint(checkpoint_dir)
         self._load_weights(checkpoint_dir)
+        self.released = False
         self.model_dir = checkpoint_dir
         self.weights_fingerprint = fingerprint
 
@@ -227,7 +232,17 @@ class RolloutEngine(ABC):
         No file is read or written."""
         self._check_open()
         self._load_tensors(named_tensors)
+        self.released = False
         self.weights_fingerprint = None  # no file holds the live weights: a later load_weights always reloads
+
+    def release_memory(self) -> bool:
+        """Free the accelerator memory the engine holds between rollouts, its weights and KV
+        cache (for a colocated trainer's update); returns whether it did. Released, it
+        cannot generate until load_weights_from_tensors (or load_weights) gives it weights
+        again. Default: nothing to free (the backend has no such mode, or it is off)."""
+        self._check_open()
+        self.released = self._release_memory()
+        return self.released
 
     def close(self) -> None:
         """Release the engine; idempotent."""
@@ -273,3 +288,6 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    def _release_memory(self) -> bool:
+        return False

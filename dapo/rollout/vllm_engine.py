@@ -386,7 +386,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 self._reload_in_process(iter_safetensors(checkpoint_dir))
             else:
                 with self._vllm_call() as llm:
-                    llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
+                    with self._awake(llm):
+                        llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
                     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         except Exception:
             logger.warning("in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True)
@@ -426,8 +427,27 @@ class VLLMRolloutEngine(RolloutEngine):
         (weights_with_tied_aliases), then a prefix-cache reset: its KV blocks were computed
         with the old weights."""
         with self._vllm_call() as llm:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_with_tied_aliases(weights, self._tied_aliases or {})})
+            with self._awake(llm):
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_with_tied_aliases(weights, self._tied_aliases or {})})
             llm.reset_prefix_cache()
+
+    def _release_memory(self) -> bool:
+        """vLLM's sleep mode, level 2 (weights and KV cache freed; the engine must have been
+        started with enable_sleep_mode, a CUDA feature): the next reload brings the weights."""
+        if not self.engine_kwargs.get("enable_sleep_mode"):
+            return False
+        with self._vllm_call() as llm:
+            llm.sleep(level=2)
+        return True
+
+    @contextmanager
+    def _awake(self, llm):
+        """Around a weight reload: a released engine's weight memory back first, its KV cache after."""
+        if self.released:
+            llm.wake_up(tags=["weights"])
+        yield
+        if self.released:
+            llm.wake_up(tags=["kv_cache"])
 
     def restart(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
         """Shut the engine down and start a fresh one on checkpoint_dir (default: the current
@@ -440,6 +460,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _restart(self, checkpoint_dir: str, started: float) -> None:
         self._shutdown()
+        self.released = False  # a fresh engine holds the checkpoint's weights
         try:
             self._start(checkpoint_dir)
         except BaseException:
