@@ -43,12 +43,16 @@ def prepare_start(work: Path) -> None:
     pipeline.bootstrap_policy(config, work / "policy-0")
 
 
-def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0) -> tuple[str, list[dict], float]:
+def run_dapo_loop(
+    work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0, curve: list | None = None
+) -> tuple[str, list[dict], float]:
     """dapo_loop from work/'s starting point, executed locally by flytekit with caching off
     (steps_per_chunk: 0 = dapo_loop's default).
 
     Returns the final checkpoint path, the metric history and the seconds spent in
-    validation (pipeline.evaluate), which benchmarks of the step loop leave out.
+    validation (pipeline.evaluate), which benchmarks of the step loop leave out. curve, if
+    given, gets one point per validation: {"step", "train_seconds" (the run's seconds so
+    far, validation left out), "val/acc"}.
     """
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
     from dapo import pipeline
@@ -57,14 +61,19 @@ def run_dapo_loop(work: Path, steps: int, overrides: dict, name: str, steps_per_
 
     evaluate = pipeline.evaluate
     eval_seconds = 0.0
+    run_started = time.perf_counter()
 
-    def timed_evaluate(*args, **kwargs):
+    def timed_evaluate(config, policy_dir, data_dir, step, *args, **kwargs):
         nonlocal eval_seconds
         started = time.perf_counter()
         try:
-            return evaluate(*args, **kwargs)
+            metrics, samples = evaluate(config, policy_dir, data_dir, step, *args, **kwargs)
         finally:
-            eval_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            eval_seconds += seconds
+        if curve is not None:
+            curve.append({"step": step, "train_seconds": started - run_started - (eval_seconds - seconds), "val/acc": metrics["val/acc"]})
+        return metrics, samples
 
     pipeline.evaluate = timed_evaluate
     try:

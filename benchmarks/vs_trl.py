@@ -25,6 +25,10 @@ Each run goes once per seed (the RL seed; the start is the same). Per run: wall 
 per step (training only: evaluation is excluded on both sides), generated tokens/s,
 peak RSS of the process; then every final model is validated by the same function
 (``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
+Time to accuracy: every CURVE_EVERY steps each run's policy is validated by that function
+too (ours inside dapo_loop, val_every; TRL's saved models afterwards), and the training
+seconds to the first validation at or above TRL's final accuracy (mean over seeds) are
+compared: the issue's "wall time to the same validation accuracy".
 
     make bench-trl                                   # installs the bench extra, then runs
     PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-colocated,ours-nods,trl]
@@ -44,23 +48,28 @@ from pathlib import Path
 
 from benchmarks.common import REPO, child_env, chosen, peak_rss_mib, prepare_start, run_dapo_loop
 RUNS = ("ours", "ours-colocated", "ours-nods", "trl")
+CURVE_EVERY = 10
+"""Steps between the validations of the accuracy curve: dapo_loop's chunk length, since a
+colocated chunk validates its last checkpoint only."""
 
 
 def base_config(steps: int, seed: int = 0):
-    """The tiny_cpu preset with this benchmark's step count and seed; validation only at the end."""
+    """The tiny_cpu preset with this benchmark's step count and seed, validated every CURVE_EVERY steps."""
     from dapo.config import DAPOConfig
 
-    return DAPOConfig.tiny_cpu().replace(total_steps=steps, val_every=0, seed=seed)
+    return DAPOConfig.tiny_cpu().replace(total_steps=steps, val_every=CURVE_EVERY, seed=seed)
 
 
 # --- ours -------------------------------------------------------------------------
 def run_ours(work: Path, steps: int, seed: int, name: str) -> dict:
     """dapo_loop, local flytekit execution, caching off; validation time is excluded."""
     execution = "colocated" if name == "ours-colocated" else "per_stage"
-    overrides = {"val_every": 0, "dynamic_sampling": name != "ours-nods", "seed": seed, "execution": execution}
+    overrides = {"val_every": CURVE_EVERY, "dynamic_sampling": name != "ours-nods", "seed": seed, "execution": execution}
     started = time.perf_counter()
-    model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, f"vs-trl-{name}")
+    curve: list[dict] = []
+    model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, f"vs-trl-{name}", curve=curve)
     return {
+        "curve": curve,
         "train_seconds": time.perf_counter() - started - eval_seconds,
         "eval_seconds_excluded": eval_seconds,
         "generated_tokens": sum(h.get("rollout/tokens", 0.0) for h in history),
@@ -135,6 +144,30 @@ def trl_arguments(config, output_dir: str) -> dict:
     )
 
 
+def curve_saver(tokenizer, out_dir: Path, updates_per_step: int, started: float):
+    """A TRL callback that saves the policy every CURVE_EVERY of our steps (validated after
+    the run); its points' train_seconds leave the saving out."""
+    from transformers import TrainerCallback
+
+    class CurveSaver(TrainerCallback):
+        def __init__(self):
+            self.points: list[dict] = []
+            self.saving = 0.0
+
+        def on_step_end(self, args, state, control, model=None, **_):
+            if state.global_step % (CURVE_EVERY * updates_per_step) or state.global_step == args.max_steps:
+                return  # the final model is saved and validated as every run's
+            began = time.perf_counter()
+            step = state.global_step // updates_per_step
+            target = out_dir / f"step-{step}"
+            model.save_pretrained(target)
+            tokenizer.save_pretrained(target)
+            self.points.append({"step": step, "train_seconds": began - started - self.saving, "model_dir": str(target)})
+            self.saving += time.perf_counter() - began
+
+    return CurveSaver()
+
+
 def run_trl(work: Path, steps: int, seed: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,14 +184,16 @@ def run_trl(work: Path, steps: int, seed: int) -> dict:
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(work / "policy-0")
     tokenizer = AutoTokenizer.from_pretrained(work / "policy-0")
+    saver = curve_saver(tokenizer, out_dir, reward.updates_per_step, started)
     trainer = GRPOTrainer(
         model=model, reward_funcs=[reward], args=GRPOConfig(**trl_arguments(config, str(out_dir))),
-        train_dataset=dataset, processing_class=tokenizer,
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[saver],
     )
     trainer.train()
     trainer.save_model(str(out_dir / "final"))
-    wall = time.perf_counter() - started
+    wall = time.perf_counter() - started - saver.saving
     return {
+        "curve": saver.points,
         "train_seconds": wall,
         "eval_seconds_excluded": 0.0,
         "generated_tokens": float(reward.generated_tokens),
@@ -195,16 +230,29 @@ def launch(name: str, work: Path, steps: int, seed: int) -> dict:
 
 
 def validate(results: dict[str, list[dict]], work: Path, steps: int) -> dict:
-    """Every final model through the same validation function (the seed's validation
-    sampling); returns the starting policy's figures."""
+    """Every final model, and every curve point without a validation (TRL's saved models),
+    through the same validation function (the seed's validation sampling); each run's
+    curve then runs from the start (0 s) to its final model. Returns the starting policy's figures."""
     from dapo import pipeline
 
     start, _ = pipeline.evaluate(base_config(steps), str(work / "policy-0"), str(work / "data"), step=0)
     for runs in results.values():
         for result in runs:
-            metrics, _ = pipeline.evaluate(base_config(steps, result["seed"]), result["model_dir"], str(work / "data"), step=steps)
+            config = base_config(steps, result["seed"])
+            metrics, _ = pipeline.evaluate(config, result["model_dir"], str(work / "data"), step=steps)
             result.update({"val/acc": metrics["val/acc"], "val/format_score": metrics["val/format_score"]})
+            for point in result["curve"]:
+                if "val/acc" not in point:
+                    point["val/acc"] = pipeline.evaluate(config, point["model_dir"], str(work / "data"), step=point["step"])[0]["val/acc"]
+            inner = [p for p in result["curve"] if 0 < p["step"] < steps]
+            result["curve"] = ([{"step": 0, "train_seconds": 0.0, "val/acc": start["val/acc"]}] + inner
+                               + [{"step": steps, "train_seconds": result["train_seconds"], "val/acc": result["val/acc"]}])
     return start
+
+
+def seconds_to_accuracy(curve: list[dict], target: float) -> float | None:
+    """Training seconds to the curve's first validation at or above target (None: never)."""
+    return next((p["train_seconds"] for p in curve if p["val/acc"] >= target), None)
 
 
 def summary(runs: list[dict], steps: int) -> dict:
@@ -237,6 +285,22 @@ def report(results: dict[str, list[dict]], start: dict, steps: int) -> dict[str,
             print(f"{name} / trl: wall per step x{r['seconds_per_step'] / trl['seconds_per_step']:.2f}, "
                   f"tokens/s x{r['tokens_per_s'] / trl['tokens_per_s']:.2f}, peak RSS x{r['peak_rss_mib'] / trl['peak_rss_mib']:.2f}, "
                   f"val acc {r['val_acc']:.3f} vs {trl['val_acc']:.3f}")
+        target = trl["val_acc"]
+        print(f"\ntime to TRL's final validation accuracy ({target:.3f}), validations every {CURVE_EVERY} steps "
+              "(the first at or above it; training seconds, validation left out):")
+        trl_mean = None
+        for name, runs in sorted(results.items(), key=lambda item: item[0] != "trl"):
+            times = [seconds_to_accuracy(r["curve"], target) for r in runs]
+            reached = [t for t in times if t is not None]
+            mean = statistics.fmean(reached) if reached else None
+            curves = "; ".join(" ".join(f"{p['step']}:{p['val/acc']:.3f}" for p in r["curve"]) for r in runs)
+            if name == "trl":
+                trl_mean = mean
+            ratio = f", TRL's time / this one's = {trl_mean / mean:.2f}" if mean and trl_mean and name != "trl" else ""
+            print(f"  {name:<15} reached by {len(reached)}/{len(runs)} seeds"
+                  f"{f' in {mean:.0f} s (mean of those){ratio}' if mean is not None else ''}; curves (step:acc) {curves}")
+            table[name]["seconds_to_trl_accuracy"] = mean
+            table[name]["seeds_reaching_trl_accuracy"] = len(reached)
     return table
 
 
