@@ -8,8 +8,10 @@ script itself), all with generated policies (no hub):
    filter_groups -> policy_step with DeepSpeed -> the new checkpoint reloaded in place ->
    rollout again) on the tied policy, with the guard's metrics.
 3. colocated: three steps of execution="colocated" (dapo.colocated: trainer and vLLM
-   resident, weights synced in memory): each step's sync time, the rollout guard's gap
-   after the sync, tokens/s, and the peak GPU memory of the three steps.
+   resident, weights synced in memory), once as they are and once with vLLM's memory
+   released during each update (colocated_release_rollout_memory: sleep mode): each
+   step's sync time, the rollout guard's gap after the sync, tokens/s, the whole GPU's
+   peak memory during the updates and the peak of the three steps.
 4. speed (run first, in its own processes): vLLM tokens/s against transformers' generate
    (benchmarks/rollout.py).
 5. peak GPU memory (torch's allocator in this process, and nvidia-smi).
@@ -80,27 +82,51 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
 
 
 def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dict:
-    import torch
-
+    """Three colocated steps, vLLM's memory kept and released during the updates."""
+    import dapo.colocated
+    from benchmarks.gpu_check_hf import GpuMemorySampler
     from dapo import pipeline
     from dapo.colocated import run_colocated
+    from dapo.rollout import close_cached_rollout_engine
 
-    config = step_config(model_dir, dtype)
+    config = step_config(model_dir, dtype).replace(execution="colocated")
     pipeline.prepare_data(config, work / "data")
     pipeline.bootstrap_policy(config, work / "policy-0")
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    result = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, 3, work / "records")
+    sampler = GpuMemorySampler() if on_gpu else None
+    update, during_updates = dapo.colocated.train_on_batch, []
+
+    def measured_update(*args, **kwargs):  # the whole GPU's peak while the trainer updates
+        if sampler:
+            sampler.take_peak()
+        try:
+            return update(*args, **kwargs)
+        finally:
+            during_updates.append(sampler.take_peak() if sampler else None)
+
     keys = ("sync/seconds", "guard/rollout_logprob_gap", "guard/regenerated", "rollout/tokens_per_s", "policy_step/seconds",
             "step/skipped")
-    return {
-        "dtype": dtype,
-        "steps": [{k: m.get(k) for k in keys} for m in result.step_metrics],
-        "threshold": config.rollout_gap_threshold,
-        "seconds": time.perf_counter() - started,
-        "peak_gpu_memory_gib_torch": torch.cuda.max_memory_reserved() / 2**30 if on_gpu else None,
-    }
+    report = {"dtype": dtype, "threshold": config.rollout_gap_threshold}
+    dapo.colocated.train_on_batch = measured_update
+    try:
+        for release in (False, True):
+            close_cached_rollout_engine()
+            during_updates.clear()
+            if sampler:
+                sampler.take_peak()
+            started = time.perf_counter()
+            result = run_colocated(config.replace(colocated_release_rollout_memory=release), str(work / "policy-0"),
+                                   str(work / "data"), 0, 3, work / f"records-release-{release}")
+            report["released" if release else "kept"] = {
+                "steps": [{k: m.get(k) for k in keys} for m in result.step_metrics],
+                "seconds": time.perf_counter() - started,
+                "gpu_used_mib_during_updates": during_updates[:],
+                "gpu_used_mib_peak": sampler.take_peak() if sampler else None,
+            }
+    finally:
+        dapo.colocated.train_on_batch = update
+        if sampler:
+            sampler.stop()
+    return report
 
 
 def main() -> None:

@@ -110,10 +110,10 @@ STEP_KEYS = ("sync/seconds", "guard/rollout_logprob_gap", "guard/threshold", "gu
              "actor/entropy", "step/skipped", "train/reward_mean", "train/acc")
 
 
-def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3) -> dict:
-    import dapo.trainer
+def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler):
+    """A part's config, data and starting checkpoint under work, no engine left from the last
+    part, the peaks reset."""
     from dapo import pipeline
-    from dapo.colocated import run_colocated
     from dapo.rollout import close_cached_rollout_engine
 
     config = hf_config(model_dir, dtype)
@@ -124,6 +124,16 @@ def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     sampler.take_peak()
+    return config
+
+
+def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3) -> dict:
+    import dapo.trainer
+    from dapo import pipeline
+    from dapo.colocated import run_colocated
+    from dapo.rollout import close_cached_rollout_engine
+
+    config = fresh_start(work, model_dir, dtype, on_gpu, sampler)
     setup: dict[str, float] = {}
     started = time.perf_counter()
     pipeline.policy_engine(config, str(work / "policy-0"))  # run_colocated gets this cached engine back
@@ -172,13 +182,7 @@ def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
     from dapo import pipeline
     from dapo.rollout import close_cached_rollout_engine
 
-    config = hf_config(model_dir, dtype)
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
-    close_cached_rollout_engine()
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    sampler.take_peak()
+    config = fresh_start(work, model_dir, dtype, on_gpu, sampler)
     keys = ("guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped", "actor/num_updates", "step/skipped",
             "sampling/kept_groups", "sampling/rounds", "rollout/tokens_per_s", "rollout/seconds", "actor/step_seconds", "actor/pg_loss",
             "train/reward_mean")

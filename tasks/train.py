@@ -149,8 +149,10 @@ def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, las
 
 
 def prune_finished_chunks(records: str, first_step: int) -> list[str]:
-    """Remove the run's records of chunks that ended at or before first_step: their last
-    checkpoint went on as their task's output, and at 32B each holds ~0.5 TB."""
+    """Remove the run's records of chunks that ended at or before first_step from the shared
+    volume: at 32B each holds ~0.5 TB, and their last checkpoint went on to the object
+    store as their task's output. (Not for a local execution's records: flytekit keeps a
+    local output directory where it is, so they are the outputs.)"""
     parent = os.path.dirname(records)
     removed = []
     for name in os.listdir(parent) if os.path.isdir(parent) else []:
@@ -189,7 +191,7 @@ def colocated_chunk(
     local_rank0_first(policy.download)  # one download per node, into the paths every rank reads
     local_rank0_first(data.download)
     records = records_dir(config, policy, first_step, last_step)
-    if launcher_rank() == 0:
+    if config.trainer_nnodes > 1 and launcher_rank() == 0:  # the records are on trainer_shared_dir
         prune_finished_chunks(records, first_step)
     result = run_colocated(
         config, policy.path, data.path, first_step, last_step - first_step, records, checkpoint_every=checkpoint_every,

@@ -127,3 +127,27 @@ def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_i
     assert Path(other_dir).parent != run_dir and Path(other_dir).exists()
     assert sorted(p.name.split("-")[1] for p in run_dir.iterdir()) == ["3", "4"]
     assert Path(dirs[-1]).exists()
+
+
+def test_a_multi_node_colocated_chunk_keeps_its_records_under_its_run_and_prunes_finished_chunks(tmp_path):
+    """Over several nodes a chunk's records are on trainer_shared_dir, under its run; as a
+    chunk starts, the records of the run's chunks that ended before it go (their
+    checkpoints are their tasks' uploaded outputs); a later chunk's, and other runs', stay."""
+    from dapo.config import DAPOConfig
+    from tasks.train import prune_finished_chunks, records_dir
+
+    config = DAPOConfig.tiny_cpu().replace(execution="colocated", trainer_nnodes=2, trainer_shared_dir=str(tmp_path),
+                                           rollout_shards=2)
+    policy = FlyteDirectory("s3://bucket/policy-10")
+    current = records_dir(config, policy, 10, 20)
+    assert current.startswith(str(tmp_path / "colocated" / "run-"))
+    assert records_dir(config.replace(trainer_nnodes=1, rollout_shards=1), policy, 10, 20).startswith(
+        str(Path.home() / ".flyte" / "dapo-colocated"))  # one node: the pod's (or this machine's) disk
+    run_dir = Path(current).parent
+    for name in ("chunk-0-10-aaaa", "chunk-5-10-bbbb", "chunk-20-30-cccc", Path(current).name):
+        (run_dir / name / "steps").mkdir(parents=True)
+    other_run = records_dir(config.replace(seed=7), policy, 0, 10)
+    Path(other_run).mkdir(parents=True)
+    assert sorted(prune_finished_chunks(current, 10)) == ["chunk-0-10-aaaa", "chunk-5-10-bbbb"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["chunk-20-30-cccc", Path(current).name])
+    assert Path(other_run).exists()
