@@ -20,6 +20,7 @@ Nothing here imports vllm, flytekit or mlflow.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import threading
 import time
@@ -127,13 +128,14 @@ def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
     return config
 
 
-def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3) -> dict:
+def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3,
+                 overrides: dict | None = None, checkpoint_every: int = 1) -> dict:
     import dapo.trainer
     from dapo import pipeline
     from dapo.colocated import run_colocated
     from dapo.rollout import close_cached_rollout_engine
 
-    config = fresh_start(work, model_dir, dtype, on_gpu, sampler)
+    config = fresh_start(work, model_dir, dtype, on_gpu, sampler).replace(**(overrides or {}))
     setup: dict[str, float] = {}
     started = time.perf_counter()
     pipeline.policy_engine(config, str(work / "policy-0"))  # run_colocated gets this cached engine back
@@ -165,7 +167,8 @@ def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: 
 
     dapo.trainer.make_trainer = timed_make_trainer
     try:
-        result = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, n_steps, work / "records", on_step=on_step)
+        result = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, n_steps, work / "records", on_step=on_step,
+                               checkpoint_every=checkpoint_every)
     finally:
         dapo.trainer.make_trainer = original
     total = time.perf_counter() - started
@@ -176,6 +179,51 @@ def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: 
         "note": "step 0's wall_seconds includes the DeepSpeed trainer's start (trainer_start_seconds); the HF engine was started before it",
         "steps": steps, "seconds_total": total, "checkpoint": result.checkpoint_dir,
     }
+
+
+SCALE_LAYOUT = {"hidden_size": 2048, "num_hidden_layers": 36}
+"""hf_scale's policy: a Qwen2 of ~1.4B parameters (a small policy's size; generated, random)."""
+
+
+def scale_hf(work: Path, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) -> dict:
+    """The cluster cost model's per-node inputs (benchmarks/cluster_cost.py) measured at a
+    real small policy's size on this GPU: two colocated steps (HF generate + DeepSpeed
+    ZeRO-2 resident; no dynamic sampling, so that both update) with the trainer's start,
+    the in-memory sync, and one checkpoint save (its bytes and rate, to this machine's disk)."""
+    from safetensors import safe_open
+
+    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.rollout.base import safetensors_files
+    from dapo.trainer.base import PolicyTrainer
+
+    layout = SCALE_LAYOUT if on_gpu else {}  # --cpu checks the script on the small default layout
+    began = time.perf_counter()
+    model_dir = build_policy(work / "policy", PolicyLayout(tied=True, **layout))
+    built = time.perf_counter() - began
+    parameters = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), "pt") as weights:
+            parameters += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    saves: list[dict] = []
+    save = PolicyTrainer.save
+
+    def timed_save(self, out_dir, step=None):
+        started = time.perf_counter()
+        save(self, out_dir, step)
+        seconds = time.perf_counter() - started
+        size = sum(p.stat().st_size for p in Path(out_dir).rglob("*") if p.is_file())
+        saves.append({"seconds": seconds, "bytes": size, "bytes_per_s": size / seconds})
+
+    PolicyTrainer.save = timed_save
+    try:
+        # The rollout guard off: a random policy this wide has logits so sharp that bf16
+        # generate and the trainer's forward differ by ~0.26 nats a token (measured: the guard
+        # refused it, also on a fresh engine); the gap is still measured and reported.
+        run = colocated_hf(work / "run", model_dir, dtype, on_gpu, sampler, n_steps=2, checkpoint_every=2,
+                           overrides={"dynamic_sampling": False, "max_rollout_logprob_gap": float("inf")})
+    finally:
+        PolicyTrainer.save = save
+    return {"parameters": parameters, "layout": layout or "the default", "build_seconds": built, "saves": saves, **run}
 
 
 def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) -> dict:
@@ -301,6 +349,9 @@ def run(parts: set[str], work: Path, size: dict, dtype: str, on_gpu: bool, repor
         if "hf_step" in parts:
             log("hf_step: one per-stage DAPO step (HF generate + DeepSpeed) on the tied policy")
             attempt("hf_step", lambda: one_step_hf(work / "hf_step", policy(True), dtype, on_gpu, sampler or _NoSampler()))
+        if "hf_scale" in parts:
+            log(f"hf_scale: two colocated steps of a ~1.4B policy ({SCALE_LAYOUT}), the trainer start, sync and checkpoint save")
+            attempt("hf_scale", lambda: scale_hf(work / "hf_scale", dtype, on_gpu, sampler or _NoSampler()))
         if "hf_gap" in parts:
             log("hf_gap: trainer vs HF engine after an in-memory sync and on a fresh engine")
             attempt("hf_gap", lambda: sync_vs_fresh_gap(work / "hf_gap", policy(True), dtype))
