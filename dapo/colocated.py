@@ -49,7 +49,8 @@ class ColocatedResult:
     """The checkpoint after the last step run (out_root/policy-<step + 1>)."""
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     """Per step: the per-stage path's metrics, plus policy_step/seconds (update and sync) and
-    sync/seconds (the in-memory weight sync; absent when the step changed no weight)."""
+    sync/seconds (the in-memory weight sync; absent when the engine needed none: no update,
+    its memory kept)."""
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,9 @@ TORCH_CUDA = "torch==2.13.0"
 TORCH_CPU = "torch==2.13.0+cpu"
 VLLM = "vllm==0.32.0"
 DEEPSPEED = "deepspeed==0.19.8"
+# transformers' HfDeepSpeedConfig needs it: with it a ZeRO-3 trainer builds the model
+# partitioned (deepspeed.zero.Init) instead of whole on every rank (32B: 64 GB per rank).
+ACCELERATE = "accelerate==1.16.0"
 
 # Every image can import every task module's light dependencies: flytekit and
 # the PyTorch plugin (task modules import it), MLflow (tracking from any task),
@@ -84,10 +87,10 @@ COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, PYARROW, SAFETENSORS
 
 PACKAGES: dict[str, list[str]] = {
     "rollout": COMMON + [TORCH_CUDA, VLLM],
-    "trainer": COMMON + [TORCH_CUDA, DEEPSPEED],
+    "trainer": COMMON + [TORCH_CUDA, DEEPSPEED, ACCELERATE],
     "cpu": COMMON + [TORCH_CPU],
     # The Dockerfile's default target: one GPU image that serves both roles.
-    "gpu": COMMON + [TORCH_CUDA, VLLM, DEEPSPEED],
+    "gpu": COMMON + [TORCH_CUDA, VLLM, DEEPSPEED, ACCELERATE],
 }
 
 # Debian packages on top of the base image.

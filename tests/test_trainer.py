@@ -351,6 +351,28 @@ def test_a_lone_deepspeed_process_leaves_no_rendezvous_variables_behind(deepspee
 
 
 @pytest.mark.deepspeed
+def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(policy_dir, monkeypatch):
+    """transformers' HfDeepSpeedConfig registers itself globally before it checks for
+    accelerate: without accelerate the half-built object stayed registered, and every later
+    from_pretrained in the process failed ('HfDeepSpeedConfig' object has no attribute
+    'is_zero3'). The trainer falls back to loading the whole model, and leaves nothing behind."""
+    import importlib.metadata
+
+    import transformers.integrations.deepspeed as hf_deepspeed
+    from transformers import AutoModelForCausalLM
+
+    def no_accelerate(name: str) -> None:
+        if name == "accelerate":
+            raise importlib.metadata.PackageNotFoundError("accelerate")
+
+    monkeypatch.setattr(hf_deepspeed, "dep_version_check", no_accelerate)
+    with make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir) as trainer:
+        assert trainer._hf_ds_config is None and not hf_deepspeed.is_deepspeed_zero3_enabled()
+        assert sum(1 for _ in trainer.named_weights()) > 0
+    assert AutoModelForCausalLM.from_pretrained(policy_dir).num_parameters() > 0
+
+
+@pytest.mark.deepspeed
 def test_deepspeed_micro_gradients_equal_the_whole_batch(policy_dir):
     safe_get_full_grad = pytest.importorskip("deepspeed.utils").safe_get_full_grad
 

@@ -116,14 +116,18 @@ def _zero3_init_hook(ds_config: dict[str, Any]):
     package; without it the model loads whole on each rank and is partitioned by
     deepspeed.initialize (fine for small models, too much host memory for large ones).
     """
-    try:
-        from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    try:
         return HfDeepSpeedConfig(ds_config)
     except (ImportError, importlib.metadata.PackageNotFoundError) as error:
+        # HfDeepSpeedConfig registers itself globally before it checks for accelerate: the
+        # half-built object left there breaks every later from_pretrained in the process.
+        unset_hf_deepspeed_config()
         logger.warning(
             "ZeRO-3 without partitioned loading (%s): every rank loads the whole model first; "
-            "install accelerate in the trainer image for large models", error
+            "install accelerate (the trainer and gpu images have it) for large models", error
         )
         return None
 
