@@ -373,6 +373,27 @@ def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(pol
 
 
 @pytest.mark.deepspeed
+def test_an_hf_engine_started_beside_a_zero3_trainer_holds_the_whole_model(policy_dir):
+    """A ZeRO-3 trainer registers its DeepSpeed config in transformers' globals (partitioned
+    loading): the rollout engine started while it lives (colocated, or the guard's
+    regeneration) still loads every parameter whole, and samples as one started alone."""
+    pytest.importorskip("accelerate")
+    from dapo.rollout import SamplingSettings
+    from dapo.rollout.hf_engine import HFRolloutEngine
+
+    sampling = SamplingSettings(n=2, max_tokens=6, temperature=1.0, top_p=1.0, seed=3)
+    alone = HFRolloutEngine(policy_dir)
+    expected = [c.token_ids for c in alone.generate(["1+1="], sampling)]
+    alone.close()
+    with make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir) as trainer:
+        assert trainer._hf_ds_config is not None  # the partitioned load is on
+        beside = HFRolloutEngine(policy_dir)
+        assert all(p.numel() > 0 for p in beside.model.parameters())
+        assert [c.token_ids for c in beside.generate(["1+1="], sampling)] == expected
+        beside.close()
+
+
+@pytest.mark.deepspeed
 def test_deepspeed_micro_gradients_equal_the_whole_batch(policy_dir):
     safe_get_full_grad = pytest.importorskip("deepspeed.utils").safe_get_full_grad
 
