@@ -7,8 +7,8 @@ bootstrap_policy -> evaluate + register_model (step 0) -> train_chunk -> sample_
 the conditional round -> policy_step -> log_step -> evaluate -> register_model; then the
 multi-node Elastic policy step that train_chunk emits for trainer_nnodes=2 runs as a
 2-worker PyTorchJob on the same inputs, and train_chunk with execution="colocated" runs
-its colocated_chunk_elastic (gpu image, a PyTorchJob of 2 workers), log_chunk, evaluate
-and register_model.
+its colocated_chunk_elastic (gpu image, a PyTorchJob of 2 workers: the steps of one process
+sampling both shards) and log_chunk.
 """
 
 from __future__ import annotations
@@ -237,26 +237,38 @@ def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     assert elastic[0].container.image in sim["registration"].images
 
 
-def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu_image(sim):
+def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu_image(sim, tmp_path):
     """train_chunk for execution="colocated" over 2 nodes of one GPU, from the inputs of the
-    per-stage chunk above: it emits one colocated_chunk_elastic (a PyTorchJob in the gpu
-    image: each worker a DeepSpeed rank and a vLLM engine) and no per-stage node; its
-    resolver loads it in both worker pods, they train the step, sampling a rollout shard
-    each, keep their records on the shared volume, the step reaches MLflow, then log_chunk,
-    evaluate and register_model run on its checkpoint."""
+    per-stage chunk above (2 steps of 4, no validation in them: evaluate and register_model
+    on a colocated chunk's checkpoint run in test_workflow_local): it emits one
+    colocated_chunk_elastic (a PyTorchJob in the gpu image) and no per-stage node; its
+    resolver loads it in both worker pods, each a DeepSpeed rank and a vLLM engine (external
+    launcher) sampling one rollout shard of each round; they keep their records on the
+    shared volume, the steps reach MLflow, then log_chunk runs. The steps are those of one
+    process sampling both shards (run here): the same tokens, groups, rewards and update
+    counts, losses and weights within 1e-4, and step 1, sampled by both engines after the
+    in-memory sync, as close to the trainer as one engine's."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
     from dapo import tracking
+    from dapo.colocated import run_colocated
+    from dapo.rollout import close_cached_rollout_engine
+    from test_rollout import one_torch_thread
 
     chunks = [(node, t) for node, t in emitted(sim) if task_name(t) == "train_chunk"]
     assert chunks, "train_chunk was never emitted: " + failure(sim)
     propeller, root = sim["propeller"], sim["root"]
     config = sim["config"].replace(execution="colocated", trainer_nnodes=2, trainer_nproc_per_node=1, rollout_shards=2,
-                                   trainer_shared_dir=str(root / "shared-colocated"))
+                                   trainer_shared_dir=str(root / "shared-colocated"), total_steps=4, val_every=0)
     chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
     chunk_inputs.literals["config"].CopyFrom(config_literal(config))
     chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
+    chunk_inputs.literals["last_step"].scalar.primitive.integer = 2
     outputs = propeller.run_task_node("colocated-chunk", chunks[0][1], chunk_inputs, root / "store" / "colocated-chunk")
     spec = propeller.dynamic_specs["colocated-chunk"]
-    assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk_elastic", "evaluate", "log_chunk", "register_model"]
+    assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk_elastic", "log_chunk"]
     colocated = next(t for t in spec.tasks if task_name(t) == "colocated_chunk_elastic")
     assert colocated.type == "pytorch" and colocated.custom["workerReplicas"]["replicas"] == 2
     assert image_role(colocated.container.image, sim["registration"]) == "gpu"
@@ -264,12 +276,30 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "colocated_chunk", "nnodes", "2",
                                                    "nproc-per-node", "1"]
     pod = next(p for p in pods_of(sim, "colocated_chunk_elastic"))
-    metrics = from_literal(podsim._read(literals_pb2.LiteralMap, pod.prefix / "outputs.pb").literals["metrics"], list[dict[str, float]])
-    assert len(metrics) == 1 and all(math.isfinite(v) for v in metrics[0].values()), metrics
-    assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()
-    records = list((root / "shared-colocated" / "colocated").glob("run-*/chunk-0-1-*/steps/0.json"))
-    assert len(records) == 1, "the chunk's step record is not on the shared volume"
-    from mlflow.tracking import MlflowClient
-
+    chunk_outputs = podsim._read(literals_pb2.LiteralMap, pod.prefix / "outputs.pb")
+    metrics = from_literal(chunk_outputs.literals["metrics"], list[dict[str, float]])
+    assert len(metrics) == 2 and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
+    checkpoint_dir = Path(chunk_outputs.literals["policy"].scalar.blob.uri)
+    assert (Path(outputs.literals["policy"].scalar.blob.uri) / "model.safetensors").exists()  # the chunk dynamic's output
+    records = sorted(p.name for p in (root / "shared-colocated" / "colocated").glob("run-*/chunk-0-2-*/steps/*.json"))
+    assert records == ["0.json", "1.json"], "the chunk's step records are not on the shared volume"
     logged = MlflowClient(sim["target"].tracking_uri).get_metric_history(tracking.Tracker(sim["target"]).run_id, "sampling/kept_groups")
-    assert [m.step for m in logged] == [1, 1]  # the per-stage step 1, then the colocated one (the same run key)
+    assert sorted(m.step for m in logged) == [1, 1, 2]  # the per-stage step 1, then the colocated ones (the same run key)
+
+    policy_dir, data_dir = (chunk_inputs.literals[name].scalar.blob.uri for name in ("policy", "data"))
+    try:
+        with one_torch_thread():
+            alone = run_colocated(config.replace(trainer_nnodes=1, trainer_shared_dir=""), policy_dir, data_dir, 0, 2, tmp_path)
+    finally:
+        close_cached_rollout_engine()
+    exact = ("rollout/tokens", "sampling/kept_groups", "sampling/rounds", "train/reward_mean", "train/acc", "actor/num_updates",
+             "step/skipped", "guard/regenerated")
+    for step, (ranks, single) in enumerate(zip(metrics, alone.step_metrics, strict=True)):
+        assert {k: ranks[k] for k in exact} == {k: single[k] for k in exact}, f"step {step}"
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert math.isclose(ranks[key], single[key], rel_tol=1e-4, abs_tol=1e-7), (step, key)
+    assert metrics[1]["guard/rollout_logprob_gap"] < 1e-5 and metrics[1]["sync/seconds"] > 0
+    both, single = load_file(checkpoint_dir / "model.safetensors"), load_file(Path(alone.checkpoint_dir) / "model.safetensors")
+    assert both.keys() == single.keys()
+    for name in both:
+        torch.testing.assert_close(both[name], single[name], rtol=1e-4, atol=1e-6, msg=name)
