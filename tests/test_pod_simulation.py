@@ -261,7 +261,8 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     assert chunks, "train_chunk was never emitted: " + failure(sim)
     propeller, root = sim["propeller"], sim["root"]
     config = sim["config"].replace(execution="colocated", trainer_nnodes=2, trainer_nproc_per_node=1, rollout_shards=2,
-                                   trainer_shared_dir=str(root / "shared-colocated"), total_steps=4, val_every=0)
+                                   trainer_shared_dir=str(root / "shared-colocated"), total_steps=4, val_every=0,
+                                   zero_stage=3)  # paper_32b's: each parameter gathered from both ranks for the sync
     chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
     chunk_inputs.literals["config"].CopyFrom(config_literal(config))
     chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
