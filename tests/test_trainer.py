@@ -6,6 +6,7 @@ the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached afte
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -351,7 +352,7 @@ def test_a_lone_deepspeed_process_leaves_no_rendezvous_variables_behind(deepspee
 
 
 @pytest.mark.deepspeed
-def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(policy_dir, monkeypatch):
+def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(policy_dir, monkeypatch, caplog):
     """transformers' HfDeepSpeedConfig registers itself globally before it checks for
     accelerate: without accelerate the half-built object stayed registered, and every later
     from_pretrained in the process failed ('HfDeepSpeedConfig' object has no attribute
@@ -366,28 +367,41 @@ def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(pol
             raise importlib.metadata.PackageNotFoundError("accelerate")
 
     monkeypatch.setattr(hf_deepspeed, "dep_version_check", no_accelerate)
-    with make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir) as trainer:
-        assert trainer._hf_ds_config is None and not hf_deepspeed.is_deepspeed_zero3_enabled()
+    with caplog.at_level(logging.WARNING, logger="dapo.trainer.deepspeed_backend"):
+        trainer = make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir)
+    with trainer:
+        assert "ZeRO-3 without partitioned loading" in caplog.text  # the fallback was taken
+        assert not hf_deepspeed.is_deepspeed_zero3_enabled()
         assert sum(1 for _ in trainer.named_weights()) > 0
     assert AutoModelForCausalLM.from_pretrained(policy_dir).num_parameters() > 0
 
 
 @pytest.mark.deepspeed
-def test_an_hf_engine_started_beside_a_zero3_trainer_holds_the_whole_model(policy_dir):
-    """A ZeRO-3 trainer registers its DeepSpeed config in transformers' globals (partitioned
-    loading): the rollout engine started while it lives (colocated, or the guard's
-    regeneration) still loads every parameter whole, and samples as one started alone."""
+def test_an_hf_engine_started_beside_a_zero3_trainer_holds_the_whole_model(policy_dir, monkeypatch):
+    """A ZeRO-3 trainer loads its model partitioned (its DeepSpeed config registered in
+    transformers' globals for the load): the rollout engine started while it lives
+    (colocated, or the guard's regeneration) still loads every parameter whole, and samples
+    as one started alone."""
     pytest.importorskip("accelerate")
+    import transformers.modeling_utils as modeling_utils
+
     from dapo.rollout import SamplingSettings
     from dapo.rollout.hf_engine import HFRolloutEngine
+
+    zero3_seen: list[bool] = []  # what from_pretrained saw while building a model
+    zero3_enabled = modeling_utils.is_deepspeed_zero3_enabled
+    monkeypatch.setattr(modeling_utils, "is_deepspeed_zero3_enabled", lambda: zero3_seen.append(zero3_enabled()) or zero3_seen[-1])
 
     sampling = SamplingSettings(n=2, max_tokens=6, temperature=1.0, top_p=1.0, seed=3)
     alone = HFRolloutEngine(policy_dir)
     expected = [c.token_ids for c in alone.generate(["1+1="], sampling)]
     alone.close()
-    with make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir) as trainer:
-        assert trainer._hf_ds_config is not None  # the partitioned load is on
+    zero3_seen.clear()
+    with make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir):
+        assert any(zero3_seen)  # the trainer's model was loaded partitioned
+        zero3_seen.clear()
         beside = HFRolloutEngine(policy_dir)
+        assert not any(zero3_seen)  # the engine's was not
         assert all(p.numel() > 0 for p in beside.model.parameters())
         assert [c.token_ids for c in beside.generate(["1+1="], sampling)] == expected
         beside.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -32,26 +31,6 @@ TORCH_DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-@contextmanager
-def whole_model_loading():
-    """from_pretrained builds the whole model here, also while a ZeRO-3 trainer lives in the
-    process (colocated, or a regeneration beside the trainer): its HfDeepSpeedConfig is
-    registered in transformers' globals, and would have the engine's model built
-    partitioned (deepspeed.zero.Init), each parameter an empty shard. Unregistered for the
-    load, registered again after (transformers keeps it as a module-level weakref)."""
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:
-        yield
-        return
-    registered = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -80,8 +59,7 @@ class HFRolloutEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         torch_dtype = TORCH_DTYPES.get(self.dtype, "auto")
-        with whole_model_loading():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         # Only SamplingSettings decide sampling: drop the checkpoint's defaults (top_k, penalties, ...).
         model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
         return model.to(self.device).eval()

@@ -29,6 +29,7 @@ DeepSpeed's checkpoint also holds a copy of the module weights (its standard lay
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import logging
@@ -108,19 +109,24 @@ def deepspeed_config(config: DAPOConfig, world_size: int) -> dict[str, Any]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _zero3_init_hook(ds_config: dict[str, Any]):
-    """transformers' HfDeepSpeedConfig, kept alive while the model loads under ZeRO-3.
+@contextlib.contextmanager
+def _zero3_loading(ds_config: dict[str, Any]):
+    """transformers' HfDeepSpeedConfig registered while the trainer's model loads under ZeRO-3.
 
     With it, from_pretrained builds the model partitioned (deepspeed.zero.Init) instead
-    of whole on every rank, which a large model needs. It requires the accelerate
-    package; without it the model loads whole on each rank and is partitioned by
-    deepspeed.initialize (fine for small models, too much host memory for large ones).
+    of whole on every rank, which a large model needs. transformers consults it only when
+    it builds or loads a model, so it is unregistered after the load: left registered, it
+    would have every other model loaded in the process built partitioned too (the rollout
+    engine beside a colocated trainer, a validation), each parameter an empty shard. It
+    requires the accelerate package; without it the model loads whole on each rank and is
+    partitioned by deepspeed.initialize (fine for small models, too much host memory for
+    large ones).
     """
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     try:
-        return HfDeepSpeedConfig(ds_config)
+        registered = HfDeepSpeedConfig(ds_config)  # noqa: F841 (alive for the load: transformers keeps a weak reference)
     except (ImportError, importlib.metadata.PackageNotFoundError) as error:
         # HfDeepSpeedConfig registers itself globally before it checks for accelerate: the
         # half-built object left there breaks every later from_pretrained in the process.
@@ -129,7 +135,10 @@ def _zero3_init_hook(ds_config: dict[str, Any]):
             "ZeRO-3 without partitioned loading (%s): every rank loads the whole model first; "
             "install accelerate (the trainer and gpu images have it) for large models", error
         )
-        return None
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 class DeepSpeedTrainer(PolicyTrainer):
@@ -148,12 +157,10 @@ class DeepSpeedTrainer(PolicyTrainer):
         self.stage = config.zero_stage
         self.state.zero_stage = self.stage
         self.ds_config = deepspeed_config(config, self.world_size)
-        self._hf_ds_config = None
-        if self.stage == 3:
-            self._hf_ds_config = _zero3_init_hook(self.ds_config)
         # Load in the training dtype: DeepSpeed casts to it anyway (keeping fp32 master
         # weights in the ZeRO optimizer), and a 16-bit load halves host memory.
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[config.dtype])
+        with _zero3_loading(self.ds_config) if self.stage == 3 else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[config.dtype])
         model.config.use_cache = False
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -281,7 +288,6 @@ class DeepSpeedTrainer(PolicyTrainer):
             engine.destroy()
         self.engine = None
         self.optimizer = None
-        self._hf_ds_config = None
         if torch.cuda.is_available():
             # the engine's reference cycles hold GPU memory until collected; on CPU the
             # automatic collector suffices, and a full collection costs ~0.1 s a step in
