@@ -21,6 +21,7 @@ TRAINER_BACKENDS = ("deepspeed", "torch")
 SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
 EXECUTION_MODES = ("per_stage", "colocated")
+EMBEDDED_TASKS = ("arithmetic", "long_arithmetic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 ROLLOUT_GAP_DEFAULTS = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
@@ -56,6 +57,11 @@ class DAPOConfig:
     """Hugging Face model directory (or hub name) to start from; "" builds the embedded tiny policy."""
     embedded_warm_start_steps: int = 600
     """Supervised warm-start steps of the embedded tiny policy (unused with model_path)."""
+    embedded_task: str = "arithmetic"
+    """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
+    addition or subtraction, short answers) or "long_arithmetic" (sums of 2-6 numbers by a
+    running sum, 20-80-token solutions: the regime of benchmarks' paper-fidelity ablation,
+    where truncation and clipping bind). The embedded policy is warm-started on the same task."""
     train_data_path: str = ""
     """verl-format parquet (DAPO-Math-17k columns); "" generates the embedded arithmetic task."""
     val_data_path: str = ""
@@ -104,6 +110,10 @@ class DAPOConfig:
     val_every: int = 5
     val_max_prompts: int = 0
     """Cap on validation prompts (0 = all)."""
+    val_entropy: bool = False
+    """Also measure the policy's entropy on the validation samples (val/entropy: a fixed probe
+    set, unlike actor/entropy on the kept batch), with a transformers forward on CPU in the
+    validation task: for small policies (a 32B one does not fit beside vLLM there)."""
 
     # --- policy loss ------------------------------------------------------------------
     clip_low: float = 0.2
@@ -219,6 +229,7 @@ class DAPOConfig:
                 raise ConfigError(f"DAPOConfig.{name}={getattr(self, name)!r}: {rule}")
 
         need(self.embedded_warm_start_steps >= 1, "embedded_warm_start_steps", "must be >= 1")
+        need(self.embedded_task in EMBEDDED_TASKS, "embedded_task", f"must be one of {EMBEDDED_TASKS}")
         need(0.0 < self.clip_low < 1.0, "clip_low", "eps_low must lie in (0, 1)")
         need(self.clip_high > 0.0, "clip_high", "eps_high must be > 0")
         need(

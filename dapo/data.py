@@ -16,6 +16,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dapo.config import EMBEDDED_TASKS
+
 logger = logging.getLogger(__name__)
 
 DAPO_PROMPT_TEMPLATE = (
@@ -97,6 +99,47 @@ def level_problems(level: int, seed: int) -> list[tuple[str, str]]:
     return problems
 
 
+# --- the long embedded task -------------------------------------------------------
+# Sums of 3 to 7 one-digit numbers, solved by rewriting the sum one addition at a time
+# (dapo.policy.chain_response_text): the worked solution grows with the square of the
+# operands, so that with a short max_response_length the longest problems reach the limit
+# (the regime where overlong shaping binds), and accuracy falls with the number of
+# operands (each line is another chance of a slip).
+CHAIN_LEVELS = (3, 4, 5, 6, 7)
+"""Operands per problem, by difficulty level."""
+
+
+def chain_problem(rng: random.Random, level: int) -> tuple[str, str]:
+    """One sum of CHAIN_LEVELS[level] one-digit numbers, and its answer."""
+    operands = [rng.randrange(1, 10) for _ in range(CHAIN_LEVELS[level])]
+    return "What is " + " + ".join(map(str, operands)) + "?", str(sum(operands))
+
+
+def chain_level_problems(level: int, seed: int, count: int) -> list[tuple[str, str]]:
+    """count distinct problems of a level, in a seeded order."""
+    rng = random.Random(f"chain-{seed}-{level}")
+    problems: dict[str, str] = {}
+    while len(problems) < count:
+        problem, answer = chain_problem(rng, level)
+        problems.setdefault(problem, answer)
+    return list(problems.items())
+
+
+def task_problem(task: str, rng: random.Random) -> tuple[str, str]:
+    """A random problem of the embedded task at a random level (for the warm start)."""
+    if task == "long_arithmetic":
+        return chain_problem(rng, rng.randrange(len(CHAIN_LEVELS)))
+    return arithmetic_problem(rng, rng.randrange(len(DIFFICULTY_LEVELS)))
+
+
+def _task_pools(task: str, seed: int, per_level: int) -> list[list[tuple[str, str]]]:
+    if task == "long_arithmetic":
+        return [chain_level_problems(level, seed, per_level) for level in range(len(CHAIN_LEVELS))]
+    if task != "arithmetic":
+        raise DataError(f"unknown embedded task {task!r}; choose one of {EMBEDDED_TASKS}")
+    return [level_problems(level, seed) for level in range(len(DIFFICULTY_LEVELS))]
+
+
 def _verl_rows(problems: list[tuple[str, str]]) -> pa.Table:
     rows = [
         {
@@ -124,18 +167,20 @@ def make_arithmetic_table(n_rows: int, seed: int) -> pa.Table:
     return _verl_rows(chosen[:n_rows])
 
 
-def write_embedded_splits(directory: str | Path, seed: int, train_per_level: int = 80, val_per_level: int = 20) -> tuple[Path, Path]:
-    """Train and validation parquet files with disjoint problems and every level in both.
+def write_embedded_splits(
+    directory: str | Path, seed: int, train_per_level: int = 80, val_per_level: int = 20, task: str = "arithmetic"
+) -> tuple[Path, Path]:
+    """Train and validation parquet files of an embedded task (EMBEDDED_TASKS) with
+    disjoint problems and every level in both.
 
     Validation holds val_per_level problems of each level and training the next
     train_per_level of each: both balanced over the levels, so validation measures what
-    training optimises (level 0 has 100 problems: the defaults use all of them).
+    training optimises (arithmetic's level 0 has 100 problems: the defaults use all of them).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train, val = [], []
-    for level in range(len(DIFFICULTY_LEVELS)):
-        pool = level_problems(level, seed)
+    for pool in _task_pools(task, seed, train_per_level + val_per_level):
         val.extend(pool[:val_per_level])
         train.extend(pool[val_per_level : val_per_level + train_per_level])
     random.Random(seed).shuffle(train)

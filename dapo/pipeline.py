@@ -48,7 +48,7 @@ def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not config.train_data_path:
-        write_embedded_splits(out_dir, seed=EMBEDDED_SEED)
+        write_embedded_splits(out_dir, seed=EMBEDDED_SEED, task=config.embedded_task)
         sources = {TRAIN_FILE: out_dir / TRAIN_FILE, VAL_FILE: out_dir / VAL_FILE}
     else:
         if not config.val_data_path:
@@ -86,7 +86,7 @@ def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> 
         if not config.model_path:
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-            spec = TinyPolicySpec(seed=EMBEDDED_SEED, warm_start_steps=config.embedded_warm_start_steps)
+            spec = TinyPolicySpec.for_task(config.embedded_task, config.embedded_warm_start_steps, seed=EMBEDDED_SEED)
             stats = build_tiny_policy(scratch, spec, progress=progress)
         elif Path(config.model_path).is_dir():
             shutil.copytree(config.model_path, scratch, dirs_exist_ok=True)
@@ -513,7 +513,23 @@ def copy_checkpoint(source: str | Path, target: str | Path, step: int) -> None:
 
 # --- validation --------------------------------------------------------------------
 def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_samples_table: int = 8) -> tuple[dict[str, float], list[dict]]:
-    """avg@k accuracy on the held-out split at (val_temperature, val_top_p); and a few samples."""
+    """avg@k accuracy on the held-out split at (val_temperature, val_top_p), the policy's
+    entropy there (config.val_entropy); and a few samples."""
+    scored = validation_samples(config, policy_dir, data_dir)
+    metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
+    if config.val_entropy:
+        metrics["val/entropy"] = policy_entropy(policy_dir, scored, config.temperature)
+    first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
+    samples = [
+        {"step": step, "problem": row["prompt"][-120:], "ground_truth": row["ground_truth"], "response": row["response_text"], "acc": row["acc"]}
+        for row in first_samples.to_pylist()
+    ]
+    return metrics, samples
+
+
+def validation_samples(config: DAPOConfig, policy_dir: str, data_dir: str) -> pa.Table:
+    """val_n_samples responses to each validation prompt (seeded: the same on every call),
+    scored without the format bonus."""
     from transformers import AutoTokenizer
 
     from dapo.rollout import SamplingSettings
@@ -530,14 +546,31 @@ def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_sa
     )
     completions = engine.generate(texts, sampling)
     # a step past any decay: validation scores without the format bonus
-    scored = verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=10**9)
-    metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
-    first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
-    samples = [
-        {"step": step, "problem": row["prompt"][-120:], "ground_truth": row["ground_truth"], "response": row["response_text"], "acc": row["acc"]}
-        for row in first_samples.to_pylist()
-    ]
-    return metrics, samples
+    return verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=10**9)
+
+
+def policy_entropy(policy_dir: str, table: pa.Table, temperature: float, rows_per_forward: int = 64) -> float:
+    """Mean entropy per response token (nats) of the policy in policy_dir at `temperature`,
+    over the responses of `table` (teacher-forced, transformers on CPU).
+
+    On the validation samples this is the entropy of the policy on a fixed probe set (the
+    validation prompts, its own responses): unlike actor/entropy, measured on the batch a
+    step trains on, it does not depend on which groups dynamic sampling kept."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo.batch import collate_table, response_log_probs
+
+    pad_token_id = AutoTokenizer.from_pretrained(policy_dir).pad_token_id or 0
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    entropy_sum = tokens = 0.0
+    with torch.no_grad():
+        for start in range(0, table.num_rows, rows_per_forward):
+            batch = collate_table(table.slice(start, rows_per_forward), pad_token_id)
+            _, entropy = response_log_probs(model, batch, temperature, with_entropy=True)
+            entropy_sum += float((entropy * batch.response_mask).sum())
+            tokens += float(batch.response_mask.sum())
+    return entropy_sum / max(tokens, 1.0)
 
 
 def vllm_on_cpu() -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dapo.data import DAPO_PROMPT_TEMPLATE, DIFFICULTY_LEVELS, arithmetic_problem
+from dapo.data import DAPO_PROMPT_TEMPLATE, task_problem
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,19 @@ class TinyPolicySpec:
     warm_start_lr: float = 2e-3
     layout_noise: float = 0.6
     """Share of warm-start examples whose last line ignores the required answer layout."""
+    task: str = "arithmetic"
+    """The embedded task (dapo.data.EMBEDDED_TASKS) the policy is warm-started on."""
+    verbose_share: float = 0.0
+    """long_arithmetic: share of warm-start solutions in the wordy style (chain_response_text)."""
     seed: int = 0
+
+    @classmethod
+    def for_task(cls, task: str, warm_start_steps: int, seed: int = 0) -> "TinyPolicySpec":
+        """The embedded policy of a task. long_arithmetic's is warm-started with correct
+        layouts, half of them wordy: its flaw for RL to fix is length, not layout."""
+        if task == "long_arithmetic":
+            return cls(task=task, layout_noise=0.0, verbose_share=0.5, warm_start_steps=warm_start_steps, seed=seed)
+        return cls(task=task, warm_start_steps=warm_start_steps, seed=seed)
 
 
 def response_text(problem: str, answer: str, required_layout: bool = True) -> str:
@@ -62,6 +74,24 @@ def response_text(problem: str, answer: str, required_layout: bool = True) -> st
     expression = problem.removeprefix("What is ").removesuffix("?")
     last_line = f"Answer: {answer}" if required_layout else f"The answer is {answer}."
     return f"{expression} = {answer}\n{last_line}"
+
+
+def chain_response_text(problem: str, answer: str, verbose: bool = False) -> str:
+    """long_arithmetic's worked solution: the sum rewritten line by line with its first two
+    terms added ("= 12 + 1 + 5"), until one number is left, then the answer. Every line
+    only adds two numbers and copies the rest from the line above (local work a tiny model
+    learns fast), and the solution grows with the square of the operands (3 operands ~20
+    tokens, 7 ~85). The wordy style first restates the sum and ends with a recap line: the
+    same arithmetic in ~3 tokens more per operand plus ~10."""
+    terms = [int(t) for t in problem.removeprefix("What is ").removesuffix("?").split(" + ")]
+    lines = [" + ".join(map(str, terms))] if verbose else []
+    while len(terms) > 1:
+        terms = [terms[0] + terms[1], *terms[2:]]
+        lines.append("= " + " + ".join(map(str, terms)))
+    if verbose:
+        lines.append(f"So the sum is {terms[0]}.")
+    lines.append(f"Answer: {answer}")
+    return "\n".join(lines)
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int):
@@ -86,14 +116,21 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
     return wrapped
 
 
-def warm_start_examples(rng: random.Random, n: int, layout_noise: float = 0.0) -> list[tuple[str, str]]:
-    """(prompt text, response text) pairs of the embedded task, all difficulty levels;
-    a share layout_noise of them ends without the required answer layout."""
+def warm_start_examples(
+    rng: random.Random, n: int, layout_noise: float = 0.0, task: str = "arithmetic", verbose_share: float = 0.0
+) -> list[tuple[str, str]]:
+    """(prompt text, response text) pairs of an embedded task, all difficulty levels;
+    arithmetic: a share layout_noise of them ends without the required answer layout;
+    long_arithmetic: a share verbose_share of them is in the wordy style."""
     examples = []
     for _ in range(n):
-        problem, answer = arithmetic_problem(rng, rng.randrange(len(DIFFICULTY_LEVELS)))
+        problem, answer = task_problem(task, rng)
         prompt = DAPO_PROMPT_TEMPLATE.format(problem=problem) + "\n"
-        examples.append((prompt, response_text(problem, answer, required_layout=rng.random() >= layout_noise)))
+        if task == "long_arithmetic":
+            response = chain_response_text(problem, answer, verbose=rng.random() < verbose_share)
+        else:
+            response = response_text(problem, answer, required_layout=rng.random() >= layout_noise)
+        examples.append((prompt, response))
     return examples
 
 
@@ -110,7 +147,7 @@ def build_tiny_policy(output_dir: str | Path, spec: TinyPolicySpec | None = None
     torch.manual_seed(spec.seed)
     started = time.perf_counter()
 
-    corpus_pairs = warm_start_examples(rng, 2000)
+    corpus_pairs = warm_start_examples(rng, 2000, task=spec.task, verbose_share=0.5)
     tokenizer = build_tokenizer([p + r for p, r in corpus_pairs], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -148,7 +185,7 @@ def warm_start(model, tokenizer, rng: random.Random, spec: TinyPolicySpec, progr
     losses = []
     model.train()
     for step in range(spec.warm_start_steps):
-        pairs = warm_start_examples(rng, spec.warm_start_batch, spec.layout_noise)
+        pairs = warm_start_examples(rng, spec.warm_start_batch, spec.layout_noise, spec.task, spec.verbose_share)
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
         responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for _, r in pairs]
         width = max(len(p) + len(r) for p, r in zip(prompts, responses))

@@ -109,3 +109,26 @@ def test_plain_string_prompt_is_accepted(tmp_path):
     path = write_rows(tmp_path / "s.parquet", [{"prompt": "What is 2+3?", "reward_model": {"ground_truth": "5", "style": "r"}}])
     records, _ = load_prompts(path)
     assert records[0].chat == [{"role": "user", "content": "What is 2+3?"}]
+
+
+def test_long_task_splits_hold_every_level_disjointly_with_correct_sums(tmp_path):
+    from dapo.data import CHAIN_LEVELS
+
+    train, val = write_embedded_splits(tmp_path, seed=0, train_per_level=30, val_per_level=10, task="long_arithmetic")
+    train_records, val_records = load_prompts(train)[0], load_prompts(val)[0]
+    assert (len(train_records), len(val_records)) == (30 * len(CHAIN_LEVELS), 10 * len(CHAIN_LEVELS))
+    assert not {r.messages for r in train_records} & {r.messages for r in val_records}
+    operand_counts = set()
+    for record in train_records + val_records:
+        terms = record.messages[0][1].split("What is ")[1].split("?")[0].split(" + ")
+        operand_counts.add(len(terms))
+        assert all(1 <= int(t) <= 9 for t in terms) and int(record.ground_truth) == sum(map(int, terms))
+    assert operand_counts == set(CHAIN_LEVELS)
+    # the same seed gives the same files: runs and their cache share one task
+    again = write_embedded_splits(tmp_path / "again", seed=0, train_per_level=30, val_per_level=10, task="long_arithmetic")
+    assert [r.messages for r in load_prompts(again[1])[0]] == [r.messages for r in val_records]
+
+
+def test_an_unknown_embedded_task_is_named(tmp_path):
+    with pytest.raises(DataError, match="unknown embedded task 'geometry'"):
+        write_embedded_splits(tmp_path, seed=0, task="geometry")

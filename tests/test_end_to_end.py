@@ -73,6 +73,34 @@ def test_evaluate_reports_avg_at_k(run_dirs):
     assert again == metrics
 
 
+def test_validation_measures_the_policy_entropy_on_its_own_samples(run_dirs):
+    """val/entropy (val_entropy=True) is the mean next-token entropy over the validation
+    responses' tokens, as computed row by row without padding; nothing else changes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dapo.pipeline import policy_entropy, validation_samples
+
+    config, root = run_dirs
+    policy0, data = str(root / "policy-0"), str(root / "data")
+    plain, _ = evaluate(config, policy0, data, step=0)
+    metrics, _ = evaluate(config.replace(val_entropy=True), policy0, data, step=0)
+    assert {k: v for k, v in metrics.items() if k != "val/entropy"} == plain
+
+    model = AutoModelForCausalLM.from_pretrained(policy0, dtype=torch.float32).eval()
+    table = validation_samples(config, policy0, data)
+    total = tokens = 0.0
+    with torch.no_grad():
+        for prompt, response in zip(table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist()):
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            total += float(-(log_p.exp() * log_p).sum())
+            tokens += len(response)
+    assert metrics["val/entropy"] == pytest.approx(total / tokens, rel=1e-4)
+    assert metrics["val/entropy"] > 0
+    assert policy_entropy(policy0, table, temperature=0.5) < metrics["val/entropy"]  # sharper at a lower temperature
+
+
 def test_rollout_shards_split_the_round_without_overlap(run_dirs):
     """Two shards generate for the same prompts as one shard, each for its own half."""
     config, root = run_dirs

@@ -508,3 +508,26 @@ def test_broken_worker_degrades_to_exact_matching(monkeypatch, caplog, start_wor
         assert verify_answer("Answer: 1,000", "1000") is True  # exact path unaffected
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "only exact matches" in warnings[0].getMessage()
+
+
+def test_long_task_worked_solutions_are_credited_and_grow_with_the_operands():
+    """The long embedded task's warm-start solutions, concise and wordy, score as correct,
+    and their length grows faster than the operand count (the overlong regime)."""
+    import random
+
+    from dapo.data import CHAIN_LEVELS, chain_problem
+    from dapo.policy import chain_response_text
+    from dapo.rewards import score_responses
+
+    rng = random.Random(0)
+    lengths = {}
+    for level in range(len(CHAIN_LEVELS)):
+        problem, answer = chain_problem(rng, level)
+        texts = [chain_response_text(problem, answer), chain_response_text(problem, answer, verbose=True)]
+        assert texts[0].splitlines()[-2] == f"= {answer}" and texts[1].splitlines()[-2] == f"So the sum is {answer}."
+        scores = score_responses(texts, [answer, answer], [len(t) for t in texts], max_len=10_000, buffer_len=0,
+                                 overlong_factor=0.0, format_weight=0.0)
+        assert [s["acc"] for s in scores] == [1.0, 1.0]
+        lengths[CHAIN_LEVELS[level]] = [len(t) for t in texts]
+    assert all(short < wordy for short, wordy in lengths.values())
+    assert lengths[7][0] > 4 * lengths[3][0]
