@@ -147,7 +147,7 @@ def build_tiny_policy(output_dir: str | Path, spec: TinyPolicySpec | None = None
     torch.manual_seed(spec.seed)
     started = time.perf_counter()
 
-    corpus_pairs = warm_start_examples(rng, 2000, task=spec.task, verbose_share=0.5)
+    corpus_pairs = warm_start_examples(rng, 2000, task=spec.task, verbose_share=spec.verbose_share)
     tokenizer = build_tokenizer([p + r for p, r in corpus_pairs], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
