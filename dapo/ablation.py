@@ -18,6 +18,7 @@ No format reward anywhere: the paper has none.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -154,12 +155,15 @@ def markdown_table(rows: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        def cell(key: str, spec: str) -> str:
+            return "—" if math.isnan(r[key]) else format(r[key], spec)  # not measured (e.g. val_entropy off)
+
         lines.append(
-            f"| {r['variant']} | {r['val_acc_mean']:.3f} ± {r['val_acc_std']:.3f} | {r['val_acc_start']:.3f} "
-            f"| {r['val_entropy_start']:.3f} → {r['val_entropy_final']:.3f} | {r['final_entropy']:.3f} "
-            f"| {r['clipfrac']:.2%} / {r['clipfrac_high']:.2%} / {r['clipfrac_low']:.2%} "
-            f"| {r['val_truncated_start']:.1%} → {r['val_truncated_final']:.1%} | {r['val_length_final']:.1f} "
-            f"| {r['informative_groups_per_step']:.1f} | {r['seeds']} |"
+            f"| {r['variant']} | {cell('val_acc_mean', '.3f')} ± {cell('val_acc_std', '.3f')} | {cell('val_acc_start', '.3f')} "
+            f"| {cell('val_entropy_start', '.3f')} → {cell('val_entropy_final', '.3f')} | {cell('final_entropy', '.3f')} "
+            f"| {cell('clipfrac', '.2%')} / {cell('clipfrac_high', '.2%')} / {cell('clipfrac_low', '.2%')} "
+            f"| {cell('val_truncated_start', '.1%')} → {cell('val_truncated_final', '.1%')} | {cell('val_length_final', '.1f')} "
+            f"| {cell('informative_groups_per_step', '.1f')} | {r['seeds']} |"
         )
     return "\n".join(lines)
 

@@ -64,6 +64,7 @@ def test_summary_means_and_spreads_over_seeds(tmp_path):
     assert (rows[0]["val_truncated_start"], rows[0]["val_truncated_final"]) == (0.3, 0.1)
     table = ablation.markdown_table(rows)
     assert "| + dynamic sampling (DAPO) |" in table and "| 0.400 → 0.150 |" in table and "30.0% → 10.0%" in table
+    assert "/ 0.20% / — |" in table  # clipfrac_low: not measured, not "nan%"
     # MLflow metric names: alphanumerics, _ - . space : / only
     assert [r["key"] for r in rows][-1] == "5_dynamic_sampling_dapo"
     assert all(re.fullmatch(r"[\w\-. :/]+", r["key"]) for r in rows)
