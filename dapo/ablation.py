@@ -185,12 +185,12 @@ def plot_curves(chosen: Study, histories: list[list[dict]], seeds: list[int], pa
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, PANELS):
+        window = 1 if key.startswith("val/") else 10
         for variant, runs in sorted(chosen.by_variant(histories, seeds).items()):
             points: dict[int, list[float]] = {}
             for run in runs:
                 for h in run:
                     if key in h:
-                        window = 1 if key.startswith("val/") else 10
                         points.setdefault(-(-h["step"] // window) * window, []).append(h[key])
             steps = sorted(points)
             ax.plot(steps, [statistics.fmean(points[s]) for s in steps], marker="o", markersize=3, label=chosen.variants[variant][0])

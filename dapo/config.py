@@ -59,9 +59,9 @@ class DAPOConfig:
     """Supervised warm-start steps of the embedded tiny policy (unused with model_path)."""
     embedded_task: str = "arithmetic"
     """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
-    addition or subtraction, short answers) or "long_arithmetic" (sums of 2-6 numbers by a
-    running sum, 20-80-token solutions: the regime of benchmarks' paper-fidelity ablation,
-    where truncation and clipping bind). The embedded policy is warm-started on the same task."""
+    addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
+    numbers, rewritten one addition per line, 16-110-token solutions: the regime of the
+    paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same task."""
     train_data_path: str = ""
     """verl-format parquet (DAPO-Math-17k columns); "" generates the embedded arithmetic task."""
     val_data_path: str = ""
