@@ -112,8 +112,9 @@ def run_colocated(
     Each step leaves a record in out_root as it completes: its metrics (steps/<step>.json),
     then, every checkpoint_every steps and after the last, its checkpoint (policy-<step + 1>:
     weights and trainer state, the per-stage layout; only the newest is kept). Called again
-    on the same out_root (the process was killed, the task run again), it goes on after the
-    newest checkpoint there: the steps up to it are not run again and their metrics are read back.
+    on the same out_root (the process was killed, the task run again, or the run extended
+    so that the chunk has more steps), it goes on after the newest checkpoint there: the
+    steps up to it are not run again and their metrics are read back.
     checkpoint_every=1 loses no finished step; a larger one writes less and reruns up to
     that many steps.
 
@@ -169,8 +170,9 @@ def run_colocated(
             if done == n_steps or stop or done % max(1, checkpoint_every) == 0:
                 result.checkpoint_dir = str(out_root / f"policy-{step + 1}")
                 trainer.save(result.checkpoint_dir, step=step)
-                if trainer.is_main:
-                    prune_step_dirs(out_root, keep=1)  # a resume needs the newest checkpoint only
+                if trainer.is_main:  # a resume needs the newest checkpoint only (the trainer holds its serving files)
+                    prune_step_dirs(out_root, keep=1)
+                    prune_step_dirs(out_root, keep=0, prefix="regenerate-")  # read by a fresh engine, in memory now
             if on_step and trainer.is_main:
                 on_step(step, metrics)
             if stop:

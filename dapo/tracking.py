@@ -130,6 +130,7 @@ class Tracker:
         self.materialize = materialize or (lambda uri: uri)
         self.client = MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
         self._run_id: str | None = None
+        self._logged_steps: dict[str, set[int]] = {}
 
     @property
     def run_id(self) -> str:
@@ -170,9 +171,12 @@ class Tracker:
         elif kind == "metrics":
             from mlflow.entities import Metric
 
+            if not record["values"] or self.is_logged(record):
+                return
             stamp = int(record.get("time", time.time()) * 1000)
             metrics = [Metric(k, v, stamp, record["step"]) for k, v in record["values"].items()]
             self.client.log_batch(self.run_id, metrics=metrics)
+            self._logged_steps[min(record["values"])].add(record["step"])
         elif kind == "table":
             self.client.log_table(self.run_id, data=_columns(record["rows"]), artifact_file=record["artifact_file"])
         elif kind == "artifact":
@@ -181,6 +185,17 @@ class Tracker:
             self.register(record)
         else:
             raise ValueError(f"unknown tracking record kind {kind!r}")
+
+    def is_logged(self, record: dict) -> bool:
+        """Whether the run already holds this metrics record's step: its first metric (in name
+        order) has a value at that step. A step that comes back (a run extended or resumed, a
+        retried task, a chunk's steps delivered again after it ends) has the values it was
+        first logged with, so each step is logged once. Records logged at one step by
+        different tasks (a step's metrics, its validation's) have different metric names."""
+        key = min(record["values"])
+        if key not in self._logged_steps:
+            self._logged_steps[key] = {point.step for point in self.client.get_metric_history(self.run_id, key)}
+        return record["step"] in self._logged_steps[key]
 
     def register(self, record: dict) -> str:
         """Log the checkpoint's servable files as run artifacts and register them; move the aliases.

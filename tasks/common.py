@@ -12,9 +12,11 @@ from typing import Annotated
 
 from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
+from flytekit.core.task import Echo
 from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
+from flytekit.models.literals import LiteralMap
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured.basic_dfs import ParquetToArrowDecodingHandler
 from flytekit.types.structured.structured_dataset import StructuredDatasetTransformerEngine
@@ -231,6 +233,18 @@ class ConfigTransformer(DataclassTransformer):
 
 
 TypeEngine.register(ConfigTransformer())
+
+
+class LiteralEcho(Echo):
+    """flytekit's Echo task, run locally as FlytePropeller's echo plugin runs it on a
+    cluster: the input literal becomes the output literal unchanged. flytekit 1.16's local
+    Echo turns it into a Python value and writes that out again (a table under a new URI),
+    so every downstream cache key that includes it missed on each re-run of a local
+    execution (a policy step whose batch filled before its last round)."""
+
+    def dispatch_execute(self, ctx, input_literal_map: LiteralMap) -> LiteralMap:
+        (name,), (output,) = self.python_interface.inputs, self.python_interface.outputs
+        return LiteralMap(literals={output: input_literal_map.literals[name]})
 
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""

@@ -6,13 +6,12 @@ import typing
 
 import pyarrow as pa
 from flytekit import Resources, task
-from flytekit.core.task import Echo
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from dapo.config import DAPOConfig
-from tasks.common import Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
+from tasks.common import Checkpoint, LiteralEcho, cache, download_weights, ROLLOUT_POD, task_entry
 
 RoundResult = typing.Tuple[pa.Table, str, bool]
 """(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
@@ -57,9 +56,9 @@ def filter_groups(config: DAPOConfig, scored: list[pa.Table], kept: typing.Optio
     return batch, state.to_json(), state.done
 
 
-keep_batch = Echo(name="keep_batch", inputs={"batch": pa.Table})
-keep_sampling_state = Echo(name="keep_sampling_state", inputs={"sampling_state": str})
-keep_done = Echo(name="keep_done", inputs={"done": bool})
+keep_batch = LiteralEcho(name="keep_batch", inputs={"batch": pa.Table})
+keep_sampling_state = LiteralEcho(name="keep_sampling_state", inputs={"sampling_state": str})
+keep_done = LiteralEcho(name="keep_done", inputs={"done": bool})
 """Echo tasks run in FlytePropeller (its `echo` plugin, enabled in k8s/flyte-binary-values.yaml):
 no pod, nothing downloaded or uploaded. The plugin echoes one input, hence one task per
-value (workflows.dapo.keep_round)."""
+value (workflows.dapo.keep_round); locally LiteralEcho passes the literal on as the plugin does."""

@@ -147,12 +147,15 @@ def log_chunk(
     config: DAPOConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
 ) -> str:
     """After a colocated chunk, which printed and logged each of its steps as it ended: the
-    records it could not deliver (its outbox), the bad-step count over its steps, and the
-    rollout guard's verdict on its last step."""
+    records it could not deliver (its outbox), then every step's metrics once more, which
+    MLflow takes only where it lacks them (a chunk killed after a step's record but before
+    its delivery resumes after that step: Tracker.is_logged); the bad-step count over its
+    steps, and the rollout guard's verdict on its last step."""
     state = LoopState.from_json(loop_state)
     for offset, metrics in enumerate(step_metrics):
         state.bad_steps = pipeline.count_bad_steps(state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1)
-    deliver(state, target_json, read_outbox(LoopState(outbox=outbox)))
+    steps = [tracking.metrics_record(first_step + offset + 1, metrics) for offset, metrics in enumerate(step_metrics)]
+    deliver(state, target_json, read_outbox(LoopState(outbox=outbox)) + steps)
     if step_metrics:
         pipeline.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
     return state.to_json()

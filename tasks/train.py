@@ -10,7 +10,7 @@ import time
 import typing
 
 import pyarrow as pa
-from flytekit import Deck, task
+from flytekit import Deck, FlyteContextManager, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.core.base_task import PythonTask, TaskResolverMixin
 from flytekit.core.tracker import TrackedInstance
@@ -33,18 +33,19 @@ def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> di
     return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
 
 
-def step_output_dir(config: DAPOConfig, step: int) -> str:
+def step_output_dir(config: DAPOConfig, step: int, input_dir: str) -> str:
     """Where the step writes its checkpoint: the task's sandbox, or with several nodes a
     directory of this run under trainer_shared_dir (all ranks write their shards there).
 
     Flyte uploads the directory as the task's output, so on the shared volume only the
     newest config.shared_checkpoints_kept copies of this run are kept (registered
-    checkpoints live on in the object store as the outputs of their steps)."""
+    checkpoints live on in the object store as the outputs of their steps), and never
+    input_dir, the checkpoint this step reads (in a local execution it is on the volume)."""
     if not config.trainer_shared_dir:
         return scratch_dir(f"policy-{step + 1}")
     run_dir = os.path.join(config.trainer_shared_dir, "run-" + run_key(config))
     out_dir = scratch_dir(f"policy-{step + 1}", root=run_dir)
-    prune_step_dirs(run_dir, keep=config.shared_checkpoints_kept)
+    prune_step_dirs(run_dir, keep=config.shared_checkpoints_kept, spare=input_dir)
     return out_dir
 
 
@@ -58,7 +59,7 @@ def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, samplin
     all take part in the update and in saving; flytekit returns rank 0's outputs.
     """
     started = time.perf_counter()
-    out_dir = rank0_value(lambda: step_output_dir(config, step))
+    out_dir = rank0_value(lambda: step_output_dir(config, step, policy.path))
     local_rank0_first(policy.download)  # one download per node, into the path every rank reads
     state = pipeline.SamplingState.from_json(sampling_state)
     metrics = pipeline.policy_step(config, policy.path, batch, state, step, out_dir)
@@ -133,34 +134,57 @@ ColocatedOutput = typing.NamedTuple(
 )
 
 
-def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int, last_step: int) -> str:
+def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int) -> str:
     """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated):
-    <root>/run-<run key>/chunk-<steps>-<input checkpoint's hash>, so that the chunk run
-    again finds them. The root is trainer_shared_dir/colocated for a chunk over several
-    nodes (the volume they all mount, dapo-gpu-shared: a retried pod resumes there too),
-    else ~/.flyte/dapo-colocated (one node; it outlives a killed local run, not a pod)."""
+    <root>/run-<run key>/chunk-<first step>-<input checkpoint's hash>. Its last step is not
+    part of the name: the chunk run again (a retry, a resumed execution) finds its records,
+    and so does the longer chunk that replaces a short last chunk when the run is extended,
+    which goes on after its newest record. The root is trainer_shared_dir/colocated for a
+    chunk over several nodes (the volume they all mount, dapo-gpu-shared: a retried pod
+    resumes there too), else ~/.flyte/dapo-colocated (one node; it outlives a killed local
+    run, not a pod)."""
     source = policy.remote_source or policy.path
-    key = hashlib.sha256(f"{source}|{first_step}|{last_step}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{source}|{first_step}".encode()).hexdigest()[:16]
     if config.trainer_nnodes > 1:
         root = os.path.join(config.trainer_shared_dir, "colocated")
     else:
         root = os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated")
-    return os.path.join(root, "run-" + run_key(config), f"chunk-{first_step}-{last_step}-{key}")
+    return os.path.join(root, "run-" + run_key(config), f"chunk-{first_step}-{key}")
 
 
-def prune_finished_chunks(records: str, first_step: int) -> list[str]:
-    """Remove the run's records of chunks that ended at or before first_step from the shared
-    volume: at 32B each holds ~0.5 TB, and their last checkpoint went on to the object
-    store as their task's output. (Not for a local execution's records: flytekit keeps a
-    local output directory where it is, so they are the outputs.)"""
+def prune_earlier_chunks(records: str, first_step: int) -> list[str]:
+    """Remove the run's records of chunks that started before first_step: at 32B each holds
+    ~0.5 TB, and their last checkpoint is their task's output (uploaded to the object store,
+    or locally a copy of its own: chunk_output)."""
     parent = os.path.dirname(records)
     removed = []
     for name in os.listdir(parent) if os.path.isdir(parent) else []:
         parts = name.split("-")
-        if name.startswith("chunk-") and len(parts) == 4 and parts[2].isdigit() and int(parts[2]) <= first_step:
+        if name.startswith("chunk-") and len(parts) == 3 and parts[1].isdigit() and int(parts[1]) < first_step:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def chunk_output(checkpoint_dir: str) -> FlyteDirectory:
+    """The chunk's last checkpoint as its output. Where outputs stay on the local disk (a
+    local execution) the output is a hard-linked copy in the task's sandbox, not the record
+    itself: the records directory goes on (a longer chunk after an extension prunes it),
+    while Flyte's cache keeps pointing at this output."""
+    file_access = FlyteContextManager.current_context().file_access
+    if file_access.is_remote(file_access.raw_output_prefix):
+        return directory_output(checkpoint_dir)
+    snapshot = scratch_dir(os.path.basename(checkpoint_dir))
+    shutil.copytree(checkpoint_dir, snapshot, copy_function=link_or_copy, dirs_exist_ok=True)
+    return FlyteDirectory(snapshot)
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """A hard link (no bytes copied), a copy where the two paths are on different filesystems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
@@ -190,16 +214,16 @@ def colocated_chunk(
     delivery = LoopState()
     local_rank0_first(policy.download)  # one download per node, into the paths every rank reads
     local_rank0_first(data.download)
-    records = records_dir(config, policy, first_step, last_step)
-    if config.trainer_nnodes > 1 and launcher_rank() == 0:  # the records are on trainer_shared_dir
-        prune_finished_chunks(records, first_step)
+    records = records_dir(config, policy, first_step)
+    if launcher_rank() == 0:
+        prune_earlier_chunks(records, first_step)
     result = run_colocated(
         config, policy.path, data.path, first_step, last_step - first_step, records, checkpoint_every=checkpoint_every,
         on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
     )
     rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]
     Deck("This chunk", report.html_table(rows))
-    return ColocatedOutput(directory_output(result.checkpoint_dir), result.step_metrics, delivery.outbox)
+    return ColocatedOutput(chunk_output(result.checkpoint_dir), result.step_metrics, delivery.outbox)
 
 
 def colocated_chunk_elastic(

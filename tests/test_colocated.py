@@ -118,9 +118,81 @@ def test_a_killed_colocated_run_resumes_after_its_last_recorded_step(tmp_path_fa
     assert run_colocated(config, policy_dir, data, 0, 3, out).step_metrics == resumed.step_metrics  # done: nothing runs
 
 
+TRACKED_RUN = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from dapo import tracking
+from dapo.colocated import run_colocated
+from dapo.config import DAPOConfig
+config, policy, data, out, n_steps, every, target = sys.argv[1:]
+target = tracking.RunTarget(**json.loads(target))
+log = lambda step, metrics: tracking.deliver(target, [tracking.metrics_record(step + 1, metrics)])
+result = run_colocated(DAPOConfig.from_dict(json.loads(config)), policy, data, 0, int(n_steps), out,
+                       checkpoint_every=int(every), on_step=log)
+# what log_chunk does after the chunk: every step once more, MLflow takes the ones it lacks
+tracking.deliver(target, [tracking.metrics_record(i + 1, m) for i, m in enumerate(result.step_metrics)])
+"""
+
+
+def test_a_colocated_run_killed_at_random_moments_resumes_each_time_to_the_uninterrupted_weights(tmp_path_factory, tmp_path):
+    """6 steps, a record every step: killed first in step 2's rollout (the resume then has 4
+    records to write: each save after a resume once needed the record it resumed from,
+    which the first save prunes), then SIGKILLed at random instants (rollout, update,
+    sync, record, prune, MLflow delivery) and run again until a run finishes by itself.
+    The finished run has the uninterrupted run's steps and weights, bit for bit, and MLflow
+    holds each step once; a record checkpoint every 2 steps resumes the same way."""
+    import json
+    import random
+    import time
+
+    from dapo.tracking import RunTarget
+
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    n_steps = 6
+    with one_torch_thread():
+        whole = run_colocated(config, policy_dir, data, 0, n_steps, tmp_path / "whole")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    rng = random.Random(29)
+    for every in (1, 2):
+        out = tmp_path / f"killed-every-{every}"
+        target = RunTarget(f"sqlite:///{tmp_path / f'mlflow-{every}.db'}", "kills", "run", "run")
+        command = [sys.executable, "-c", TRACKED_RUN, config.to_json(), policy_dir, data, str(out), str(n_steps), str(every),
+                   json.dumps(target.__dict__)]
+        first = subprocess.run(command, env={**env, "DAPO_CRASH_AT": "rollout@2"}, capture_output=True, text=True, timeout=600)
+        assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+        kills, started = 0, time.monotonic()
+        while True:
+            run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+            try:
+                _, stderr = run.communicate(timeout=rng.uniform(4.0, 20.0) if kills < 4 else 600)
+                assert run.returncode == 0, stderr[-3000:]
+                break
+            except subprocess.TimeoutExpired:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.communicate()
+                kills += 1
+        assert kills >= 1 and time.monotonic() - started < 900
+        with one_torch_thread():
+            resumed = run_colocated(config, policy_dir, data, 0, n_steps, out)  # done: reads the records back
+        assert_same_steps(whole.step_metrics, resumed.step_metrics, whole.checkpoint_dir, resumed.checkpoint_dir)
+        client = mlflow_client(target.tracking_uri)
+        run_id = client.search_runs([client.get_experiment_by_name("kills").experiment_id])[0].info.run_id
+        for key in ("train/acc", "actor/pg_loss", "rollout/tokens"):
+            assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, n_steps + 1)), (every, key)
+
+
+def mlflow_client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
 def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_fixes_the_batch(tmp_path_factory, tmp_path, monkeypatch):
     """Step 1 samples from step 0's starting weights (the sync dropped): the guard refuses the
-    batch, the trainer's weights are written and a fresh engine regenerates the batch."""
+    batch, the trainer's weights are written and a fresh engine regenerates the batch; those
+    weights (a whole checkpoint: ~0.5 TB at 32B) go with the step's record."""
     from dapo.rollout.hf_engine import HFRolloutEngine
 
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
@@ -131,7 +203,7 @@ def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_
     assert last["guard/rollout_logprob_gap"] > config.rollout_gap_threshold
     assert (last["guard/regenerated"], last["guard/stopped"], last["step/skipped"]) == (1.0, 0.0, 0.0)
     assert last["actor/rollout_logprob_diff"] < config.rollout_gap_threshold
-    assert (tmp_path / "colocated" / "regenerate-1" / "model.safetensors").is_file()
+    assert not (tmp_path / "colocated" / "regenerate-1").exists()  # the fresh engine's weights, pruned with the older records
 
 
 def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tmp_path, monkeypatch):

@@ -197,7 +197,7 @@ def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_
     assert float(requests["ephemeral_storage"].removesuffix("Gi")) * 2**30 >= config.checkpoint_bytes
     assert chunk.task_node.overrides.extended_resources.gpu_accelerator.device == "nvidia-h100"
     assert chunk.metadata.retries.retries == config.task_retries == 2
-    assert train.records_dir(config, FlyteDirectory("s3://b/policy-0"), 0, 10).startswith("/mnt/dapo-shared/colocated/run-")
+    assert train.records_dir(config, FlyteDirectory("s3://b/policy-0"), 0).startswith("/mnt/dapo-shared/colocated/run-")
 
 
 def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images():
@@ -258,6 +258,19 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
 def test_validation_schedule():
     steps = [s for s in range(1, 13) if dapo_workflow.is_validation_step(s, 5, 12)]
     assert steps == [5, 10, 12]
+
+
+def test_a_colocated_chunk_ends_at_every_validation_step_so_val_every_is_honoured():
+    """A colocated chunk validates (and registers) the checkpoint it passes on, so its chunks
+    also end at each validation step; per stage validates inside a chunk."""
+    config = DAPOConfig.tiny_cpu().replace(total_steps=13, val_every=4)
+    colocated = config.replace(execution="colocated")
+    assert dapo_workflow.chunk_ranges(config, 10) == [(0, 10), (10, 13)]
+    assert dapo_workflow.chunk_ranges(colocated, 10) == [(0, 4), (4, 8), (8, 10), (10, 12), (12, 13)]
+    assert dapo_workflow.chunk_ranges(colocated.replace(val_every=0), 10) == [(0, 10), (10, 13)]
+    assert dapo_workflow.chunk_ranges(colocated.replace(val_every=10), 5) == [(0, 5), (5, 10), (10, 13)]
+    validated = [last for _, last in dapo_workflow.chunk_ranges(colocated, 10) if dapo_workflow.is_validation_step(last, 4, 13)]
+    assert validated == [step for step in range(1, 14) if dapo_workflow.is_validation_step(step, 4, 13)] == [4, 8, 12, 13]
 
 
 def bindings(spec) -> list:

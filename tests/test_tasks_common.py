@@ -115,39 +115,82 @@ def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_
 
 def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_it(tmp_path):
     """Each run has its own directory on trainer_shared_dir (runs sharing the volume never
-    prune each other), holding its newest shared_checkpoints_kept step checkpoints."""
+    prune each other), holding its newest shared_checkpoints_kept step checkpoints, and never
+    pruning the checkpoint a step reads (in a local execution its input is on the volume)."""
     from dapo.config import DAPOConfig
     from tasks.train import step_output_dir
 
     config = DAPOConfig.tiny_cpu().replace(trainer_shared_dir=str(tmp_path), shared_checkpoints_kept=2)
     other = config.replace(seed=7)
-    dirs = [step_output_dir(config, step) for step in range(4)]
-    other_dir = step_output_dir(other, 0)
+    dirs = [step_output_dir(config, 0, "")]
+    for step in range(1, 4):
+        dirs.append(step_output_dir(config, step, dirs[-1]))
+    other_dir = step_output_dir(other, 0, "")
     run_dir = Path(dirs[0]).parent
     assert Path(other_dir).parent != run_dir and Path(other_dir).exists()
     assert sorted(p.name.split("-")[1] for p in run_dir.iterdir()) == ["3", "4"]
     assert Path(dirs[-1]).exists()
+    kept_one = config.replace(shared_checkpoints_kept=1)
+    chain = [step_output_dir(kept_one, 0, "")]
+    for step in range(1, 4):
+        chain.append(step_output_dir(kept_one, step, chain[-1]))
+    assert sorted(p.name.split("-")[1] for p in Path(chain[0]).parent.iterdir()) == ["3", "4"]  # step 3's input spared
 
 
-def test_a_multi_node_colocated_chunk_keeps_its_records_under_its_run_and_prunes_finished_chunks(tmp_path):
-    """Over several nodes a chunk's records are on trainer_shared_dir, under its run; as a
-    chunk starts, the records of the run's chunks that ended before it go (their
-    checkpoints are their tasks' uploaded outputs); a later chunk's, and other runs', stay."""
+def test_a_colocated_chunk_keeps_its_records_under_its_run_by_first_step_and_prunes_earlier_chunks(tmp_path):
+    """Over several nodes a chunk's records are on trainer_shared_dir, under its run, named by
+    the chunk's first step and input (not its last step: an extended run's longer chunk finds
+    them); as a chunk starts, the records of the run's chunks that started before it go
+    (their checkpoints are their tasks' outputs); a later chunk's, and other runs', stay."""
     from dapo.config import DAPOConfig
-    from tasks.train import prune_finished_chunks, records_dir
+    from tasks.train import prune_earlier_chunks, records_dir
 
     config = DAPOConfig.tiny_cpu().replace(execution="colocated", trainer_nnodes=2, trainer_shared_dir=str(tmp_path),
                                            rollout_shards=2)
     policy = FlyteDirectory("s3://bucket/policy-10")
-    current = records_dir(config, policy, 10, 20)
+    current = records_dir(config, policy, 10)
     assert current.startswith(str(tmp_path / "colocated" / "run-"))
-    assert records_dir(config.replace(trainer_nnodes=1, rollout_shards=1), policy, 10, 20).startswith(
+    assert records_dir(config.replace(total_steps=99), policy, 10) == current  # the run extended: the same records
+    assert records_dir(config, FlyteDirectory("s3://bucket/other-policy-10"), 10) != current
+    assert records_dir(config.replace(trainer_nnodes=1, rollout_shards=1), policy, 10).startswith(
         str(Path.home() / ".flyte" / "dapo-colocated"))  # one node: the pod's (or this machine's) disk
     run_dir = Path(current).parent
-    for name in ("chunk-0-10-aaaa", "chunk-5-10-bbbb", "chunk-20-30-cccc", Path(current).name):
+    for name in ("chunk-0-aaaa", "chunk-5-bbbb", "chunk-20-cccc", Path(current).name):
         (run_dir / name / "steps").mkdir(parents=True)
-    other_run = records_dir(config.replace(seed=7), policy, 0, 10)
+    other_run = records_dir(config.replace(seed=7), policy, 0)
     Path(other_run).mkdir(parents=True)
-    assert sorted(prune_finished_chunks(current, 10)) == ["chunk-0-10-aaaa", "chunk-5-10-bbbb"]
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["chunk-20-30-cccc", Path(current).name])
+    assert sorted(prune_earlier_chunks(current, 10)) == ["chunk-0-aaaa", "chunk-5-bbbb"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(["chunk-20-cccc", Path(current).name])
     assert Path(other_run).exists()
+
+
+def test_a_local_echo_passes_its_input_literal_on_so_a_cached_consumer_hits_on_the_rerun(tmp_path, monkeypatch):
+    """As FlytePropeller's echo plugin on a cluster: the round's batch that keep_batch echoes
+    reaches the policy step as the very literal filter_groups returned (its URI), so a local
+    re-run or extension replays a step whose batch filled before its last round."""
+    import pyarrow as pa
+    from diskcache import Cache as DiskCache
+    from flytekit import Cache, task, workflow
+    from flytekit.core.local_cache import LocalTaskCache
+
+    from tasks.rollout import keep_batch
+
+    monkeypatch.setattr(LocalTaskCache, "_cache", DiskCache(str(tmp_path / "local-cache")))
+    monkeypatch.setattr(LocalTaskCache, "_initialized", True)
+    consumed = []
+
+    @task(cache=Cache(version="1"))
+    def make_batch(n: int) -> pa.Table:
+        return pa.table({"x": list(range(n))})
+
+    @task(cache=Cache(version="1"))
+    def consume(batch: pa.Table) -> int:
+        consumed.append(batch.num_rows)
+        return batch.num_rows
+
+    @workflow
+    def echoed(n: int) -> int:
+        return consume(batch=keep_batch(batch=make_batch(n=n)))
+
+    assert echoed(n=3) == 3 and echoed(n=3) == 3
+    assert consumed == [3]  # the second run's consume came from the cache

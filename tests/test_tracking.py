@@ -69,6 +69,22 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
     assert model.config.hidden_size == 16
 
 
+def test_a_step_delivered_again_is_logged_once_whatever_brings_it_back(tmp_path):
+    """An extension, a retried task or a resumed chunk delivers a step MLflow already has:
+    the run keeps one point per step and metric; a validation at the same step (other metric
+    names) and a new step are still logged."""
+    target = sqlite_target(tmp_path)
+    step_1, step_2 = metrics_record(1, {"train/acc": 0.5, "actor/pg_loss": 0.1}), metrics_record(2, {"train/acc": 0.75})
+    assert deliver(target, [step_1]) == []
+    assert deliver(target, [step_1, metrics_record(1, {"val/acc": 0.25}), step_1, step_2]) == []
+    assert deliver(target, [step_2, step_1]) == []
+    client = client_for(target)
+    run_id = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0].info.run_id
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/acc")] == [(1, 0.5), (2, 0.75)]
+    assert [m.step for m in client.get_metric_history(run_id, "actor/pg_loss")] == [1]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val/acc")] == [(1, 0.25)]
+
+
 def test_unreachable_server_keeps_every_record_and_fails_fast(tmp_path, monkeypatch):
     for key in tracking.FAST_FAIL_ENV:
         monkeypatch.delenv(key, raising=False)

@@ -35,12 +35,10 @@ def ablation_runs(study: str, seeds: list[int], total_steps: int, base_overrides
     summaries = []
     for variant, seed in chosen.grid(seeds):
         overrides = {**chosen.variant_overrides(variant), **base, "seed": seed}
-        # colocated validates at the end of a chunk only: a chunk per validation
-        colocated = overrides.get("execution") == "colocated" and overrides.get("val_every", 0) > 0
         _, summary = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps(overrides, sort_keys=True), total_steps=total_steps,
             train_data="", val_data="", mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment="dapo-ablation",
-            model_name=f"ablation-{study}-v{variant}", steps_per_chunk=overrides["val_every"] if colocated else total_steps,
+            model_name=f"ablation-{study}-v{variant}", steps_per_chunk=total_steps,
         )
         summaries.append(summary)
     return summaries

@@ -139,8 +139,8 @@ def train_chunk(
 def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: str, data, policy, loop_state, first_step: int,
                     last_step: int, model_name: str):
     """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
-    tasks.train.colocated_chunk_for), then log_chunk; validated once, on the chunk's last
-    checkpoint, when a validation step falls in the chunk."""
+    tasks.train.colocated_chunk_for), then log_chunk; validated on the chunk's last
+    checkpoint when that is a validation step (chunk_ranges ends a colocated chunk at each)."""
     chunk = colocated_chunk_for(config)
     policy, metrics, outbox = chunk(config=step_config, target_json=target_json, policy=policy, data=data, first_step=first_step,
                                     last_step=last_step, checkpoint_every=config.colocated_checkpoint_every).with_overrides(
@@ -148,7 +148,7 @@ def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: st
     )
     loop_state = log_chunk(config=step_config, target_json=target_json, loop_state=loop_state, first_step=first_step,
                            step_metrics=metrics, outbox=outbox).with_overrides(**cpu_settings(config))
-    if any(is_validation_step(step, config.val_every, config.total_steps) for step in range(first_step + 1, last_step + 1)):
+    if is_validation_step(last_step, config.val_every, config.total_steps):
         loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, last_step, model_name)
     return policy, loop_state
 
@@ -156,6 +156,19 @@ def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: st
 def is_validation_step(step: int, val_every: int, total_steps: int) -> bool:
     """Validate every val_every steps (counted after the update) and after the last step."""
     return step == total_steps or (val_every > 0 and step % val_every == 0)
+
+
+def chunk_ranges(config: DAPOConfig, steps_per_chunk: int) -> list[tuple[int, int]]:
+    """[first_step, last_step) of each train_chunk: steps_per_chunk steps, the last chunk
+    what is left. A colocated chunk also ends at every validation step: only a checkpoint
+    that leaves a chunk (its task's output) can be validated and registered, so each
+    validation costs that mode one trainer and engine start (choose val_every as a multiple
+    of steps_per_chunk where starts are expensive)."""
+    ends = set(range(steps_per_chunk, config.total_steps, steps_per_chunk)) | {config.total_steps}
+    if config.execution == "colocated":
+        ends |= {step for step in range(1, config.total_steps) if is_validation_step(step, config.val_every, config.total_steps)}
+    ends = sorted(ends)
+    return list(zip([0, *ends[:-1]], ends))
 
 
 @dynamic(**DYNAMIC_POD)
@@ -169,10 +182,10 @@ def train(
     (resolve_config), which hold only the fields their outputs depend on."""
     policy = bootstrap_policy(config=policy_config).with_overrides(**bootstrap_settings(config))
     loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
-    for first in range(0, config.total_steps, steps_per_chunk):
+    for first, last in chunk_ranges(config, steps_per_chunk):
         policy, loop_state = train_chunk(
             config=config, step_config=step_config, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
-            first_step=first, last_step=min(first + steps_per_chunk, config.total_steps), model_name=model_name,
+            first_step=first, last_step=last, model_name=model_name,
         )
     return policy, loop_state
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -131,6 +130,9 @@ class PolicyTrainer(ABC):
             )
         self.state = previous or TrainerState()
         self.state.backend = self.backend_name
+        # Read now, not at save time: model_dir may be a record that retention deletes once a
+        # newer one is written (a resumed colocated run), and every later save needs them.
+        self.serving_files = serving_files(model_dir)
 
     # --- backend primitives -------------------------------------------------------
     @property
@@ -288,7 +290,7 @@ class PolicyTrainer(ABC):
             self.barrier()
             self._save_optimizer(state_dir)
             if self.is_main:
-                self._copy_tokenizer_files(tmp)
+                self._write_serving_files(tmp)
                 self.state.world_size = self.world_size
                 meta = {**asdict(self.state), "config": self.config.to_dict()}
                 Path(state_dir, META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
@@ -301,15 +303,13 @@ class PolicyTrainer(ABC):
                 checkpoint.abort(tmp)
         self.barrier()
 
-    def _copy_tokenizer_files(self, out_dir: str) -> None:
-        """Copy the source dir's other top-level files (tokenizer, chat template, ...) not written yet."""
-        source = Path(self.model_dir)
-        for item in sorted(source.iterdir()):
-            if not item.is_file() or item.name in _NOT_COPIED or item.name.endswith(_WEIGHT_SUFFIXES):
-                continue
-            target = Path(out_dir) / item.name
+    def _write_serving_files(self, out_dir: str) -> None:
+        """The source dir's other top-level files (tokenizer, chat template, ...), those
+        save_pretrained did not write."""
+        for name, content in self.serving_files.items():
+            target = Path(out_dir) / name
             if not target.exists():
-                shutil.copy2(item, target)
+                target.write_bytes(content)
 
     def close(self) -> None:
         if not self._closed:
@@ -321,6 +321,16 @@ class PolicyTrainer(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def serving_files(model_dir: str | Path) -> dict[str, bytes]:
+    """{name: bytes} of model_dir's top-level files that a checkpoint carries on besides its
+    weights and configs: tokenizer, chat template, README (a few MB for real tokenizers)."""
+    return {
+        item.name: item.read_bytes()
+        for item in sorted(Path(model_dir).iterdir())
+        if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES)
+    }
 
 
 def make_trainer(config: DAPOConfig, model_dir: str | Path) -> PolicyTrainer:

@@ -56,8 +56,11 @@ def local_rank0_first(work: Callable[[], Any]) -> None:
     dist.barrier()
 
 
-def prune_step_dirs(parent: str | os.PathLike, keep: int, prefix: str = "policy-") -> list[str]:
-    """Remove all but the newest `keep` step directories `<prefix><step>-*` under parent.
+def prune_step_dirs(
+    parent: str | os.PathLike, keep: int, prefix: str = "policy-", spare: str | os.PathLike = ""
+) -> list[str]:
+    """Remove all but the newest `keep` step directories `<prefix><step>-*` under parent, and
+    never `spare` (the directory the caller is still reading from).
 
     Newest = highest step, then latest modification (a retried step leaves a second
     directory of the same step). Returns the removed paths.
@@ -71,7 +74,8 @@ def prune_step_dirs(parent: str | os.PathLike, keep: int, prefix: str = "policy-
         return (int(step) if step.isdigit() else -1, path.stat().st_mtime)
 
     candidates = sorted((p for p in parent.iterdir() if p.is_dir() and p.name.startswith(prefix)), key=age_key)
-    removed = candidates[: max(0, len(candidates) - keep)]
+    spared = Path(spare).resolve() if spare else None
+    removed = [p for p in candidates[: max(0, len(candidates) - keep)] if p.resolve() != spared]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return [str(p) for p in removed]
