@@ -244,7 +244,9 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     colocated_chunk_elastic (a PyTorchJob in the gpu image) and no per-stage node; its
     resolver loads it in both worker pods, each a DeepSpeed rank and a vLLM engine (external
     launcher) sampling one rollout shard of each round; they keep their records on the
-    shared volume, the steps reach MLflow, then log_chunk runs. The steps are those of one
+    shared volume, the steps reach MLflow, then log_chunk runs. The first attempt is
+    SIGKILLed in step 1's rollout (both workers); the node's retry goes on after the step-0
+    record on the shared volume (step 0 is not run or logged again). The steps are those of one
     process sampling both shards (run here): the same tokens, groups, rewards and update
     counts, losses and weights within 1e-4, and step 1, sampled by both engines after the
     in-memory sync, as close to the trainer as one engine's."""
@@ -267,6 +269,12 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     chunk_inputs.literals["config"].CopyFrom(config_literal(config))
     chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
     chunk_inputs.literals["last_step"].scalar.primitive.integer = 2
+    propeller.env["DAPO_CRASH_AT"] = "rollout@1"
+    with pytest.raises(podsim.PodFailed):
+        propeller.run_task_node("colocated-chunk-killed", chunks[0][1], chunk_inputs, root / "store" / "colocated-chunk-killed")
+    del propeller.env["DAPO_CRASH_AT"]
+    killed_records = sorted(p.name for p in (root / "shared-colocated" / "colocated").glob("run-*/chunk-0-*/steps/*.json"))
+    assert killed_records == ["0.json"], killed_records
     outputs = propeller.run_task_node("colocated-chunk", chunks[0][1], chunk_inputs, root / "store" / "colocated-chunk")
     spec = propeller.dynamic_specs["colocated-chunk"]
     assert sorted(task_name(t) for t in spec.tasks) == ["colocated_chunk_elastic", "log_chunk"]
@@ -276,7 +284,7 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     args = list(colocated.container.args)
     assert args[args.index("--resolver") + 1:] == ["tasks.train.elastic_resolver", "--", "colocated_chunk", "nnodes", "2",
                                                    "nproc-per-node", "1"]
-    pod = next(p for p in pods_of(sim, "colocated_chunk_elastic"))
+    pod = pods_of(sim, "colocated_chunk_elastic")[-1]  # the retry's
     chunk_outputs = podsim._read(literals_pb2.LiteralMap, pod.prefix / "outputs.pb")
     metrics = from_literal(chunk_outputs.literals["metrics"], list[dict[str, float]])
     assert len(metrics) == 2 and all(math.isfinite(v) for m in metrics for v in m.values()), metrics
@@ -285,7 +293,8 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     records = sorted(p.name for p in (root / "shared-colocated" / "colocated").glob("run-*/chunk-0-*/steps/*.json"))
     assert records == ["0.json", "1.json"], "the chunk's step records are not on the shared volume"
     logged = MlflowClient(sim["target"].tracking_uri).get_metric_history(tracking.Tracker(sim["target"]).run_id, "sampling/kept_groups")
-    assert sorted(m.step for m in logged) == [1, 1, 2]  # the per-stage step 1, then the colocated ones (the same run key)
+    # the per-stage step 1, then the colocated step 2: its step 1 is the same step of the same run (run key), logged once
+    assert sorted(m.step for m in logged) == [1, 2]
 
     policy_dir, data_dir = (chunk_inputs.literals[name].scalar.blob.uri for name in ("policy", "data"))
     try:

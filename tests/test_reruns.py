@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 def dapo_loop(home: Path, total_steps: int, crash_at: str = "", **overrides) -> subprocess.CompletedProcess:
     """pyflyte run workflows/dapo.py dapo_loop --total_steps N, its Flyte cache, MLflow
-    database and colocated records under home."""
+    database and colocated records under home; it must end as asked: SIGKILLed at
+    crash_at, else exit 0."""
     env = {**os.environ, "HOME": str(home), **machine_caches(), "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
            "PYTHONUNBUFFERED": "1", "FLYTE_SDK_RICH_TRACEBACKS": "0"}
     env.pop("DAPO_CRASH_AT", None)
@@ -148,26 +149,26 @@ def never_extended(setup_home, tmp_path_factory):
 
 def test_extending_a_colocated_run_continues_its_last_chunk_within_and_across_chunks(setup_home, tmp_path_factory, never_extended):
     """4 steps colocated (one short chunk of the default 10), extended to 6 (the chunk goes on
-    from its step-4 record) and to 13 (the first chunk finished, a second one): each
+    from its step-4 record) and to 12 (the first chunk finished, a second one): each
     extension computes and logs only its new steps, and ends with the weights of a run of
-    6 and of 13 steps that was never extended."""
+    6 and of 12 steps that was never extended."""
     home = new_home(tmp_path_factory, setup_from=setup_home)
     assert trained_steps(dapo_loop(home, 4, **COLOCATED)) == [1, 2, 3, 4]
     assert trained_steps(dapo_loop(home, 6, **COLOCATED)) == [5, 6]
     assert logged_steps(home) == [1, 2, 3, 4, 5, 6]
     assert final_weights(home, 6) == never_extended(6)
-    assert trained_steps(dapo_loop(home, 13, **COLOCATED)) == list(range(7, 14))
-    assert logged_steps(home) == list(range(1, 14))
-    assert final_weights(home, 13) == never_extended(13)
+    assert trained_steps(dapo_loop(home, 12, **COLOCATED)) == list(range(7, 13))
+    assert logged_steps(home) == list(range(1, 13))
+    assert final_weights(home, 12) == never_extended(12)
 
 
 def test_a_colocated_extension_killed_midway_resumes_and_logs_each_step_once(setup_home, tmp_path_factory, never_extended):
-    """4 steps, then extended to 6 and SIGKILLed in step 6's rollout (step 5 recorded), then
-    run again: step 6 alone runs, each step is logged once, and the weights are those of a
-    6-step run."""
+    """4 steps, then extended straight to 12 (across the chunk boundary at 10) and SIGKILLed
+    in step 6's rollout (step 5 recorded), then run again: steps 6-12 run, each step is
+    logged once, and the weights are those of a 12-step run."""
     home = new_home(tmp_path_factory, setup_from=setup_home)
     dapo_loop(home, 4, **COLOCATED)
-    assert trained_steps(dapo_loop(home, 6, crash_at="rollout@5", **COLOCATED)) == [5]
-    assert trained_steps(dapo_loop(home, 6, **COLOCATED)) == [6]
-    assert logged_steps(home) == list(range(1, 7))
-    assert final_weights(home, 6) == never_extended(6)
+    assert trained_steps(dapo_loop(home, 12, crash_at="rollout@5", **COLOCATED)) == [5]
+    assert trained_steps(dapo_loop(home, 12, **COLOCATED)) == list(range(6, 13))
+    assert logged_steps(home) == list(range(1, 13))
+    assert final_weights(home, 12) == never_extended(12)
