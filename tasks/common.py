@@ -246,6 +246,7 @@ class LiteralEcho(Echo):
         (name,), (output,) = self.python_interface.inputs, self.python_interface.outputs
         return LiteralMap(literals={output: input_literal_map.literals[name]})
 
+
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""
 
