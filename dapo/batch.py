@@ -36,6 +36,7 @@ REWARD_FIELDS = [
     pa.field("correctness", pa.float32()),
     pa.field("overlong_penalty", pa.float32()),
     pa.field("format_score", pa.float32()),
+    pa.field("unverified", pa.float32()),  # 1: math-verify gave no verdict (rewards.Verdict)
 ]
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + REWARD_FIELDS)
 

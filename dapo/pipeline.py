@@ -271,7 +271,8 @@ def first_groups(table: pa.Table, n_groups: int) -> pa.Table:
 
 
 def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
-    """Reward, accuracy and length statistics of a scored table."""
+    """Reward, accuracy and length statistics of a scored table, and how many of its
+    verdicts math-verify did not give (`unverified`, a count)."""
     if scored.num_rows == 0:
         return {}
     lengths = [len(ids) for ids in scored.column("response_token_ids").to_pylist()]
@@ -284,6 +285,7 @@ def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
         f"{prefix}truncated_frac": sum(column("truncated")) / len(lengths),
         f"{prefix}response_length_mean": sum(lengths) / len(lengths),
         f"{prefix}response_length_max": float(max(lengths)),
+        f"{prefix}unverified": sum(column("unverified")),  # verdicts math-verify did not give: counted as wrong
     }
 
 

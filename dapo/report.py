@@ -59,9 +59,14 @@ def step_line(metrics: dict) -> str:
     def get(key: str, fmt: str) -> str:
         return format(metrics[key], fmt) if key in metrics else "-"
 
+    # Shown only when it happens: verdicts math-verify did not give, counted as wrong.
+    unverified_count = metrics.get("train/unverified", 0.0) + metrics.get("val/unverified", 0.0)
+    unverified = f" | unverified {unverified_count:.0f}" if unverified_count else ""
+
     return (
         f"step {metrics.get('step', '?'):>4} | val_acc {get('val/acc', '.3f')} | train_acc {get('train/acc', '.3f')} "
         f"| reward {get('train/reward_mean', '+.3f')} | entropy {get('actor/entropy', '.3f')} "
         f"| kept {get('sampling/kept_ratio', '.2f')} in {get('sampling/rounds', '.0f')} round(s) "
         f"| rollout+update {get('step/seconds', '.1f')} s"
+        + unverified
     )

@@ -21,8 +21,15 @@ Verification order, cheapest first:
      main thread, and a stuck sympy call cannot be interrupted from another thread. The
      worker arms a soft SIGALRM deadline in its own main thread (so ordinary slow cases do
      not cost a new worker) and the pool kills it if it still runs at the hard deadline.
-     Workers are spawned, never forked; as with any spawn-based multiprocessing, a script
-     that verifies answers must keep its top level under ``if __name__ == "__main__":``.
+     Workers are fresh interpreters started by loky's start method (never forked: the
+     caller may hold torch / vLLM threads), which, unlike multiprocessing's spawn and
+     forkserver, does not re-run the caller's ``__main__``: a script without an
+     ``if __name__ == "__main__":`` guard, a notebook or a pyflyte task all get math-verify.
+
+A verdict math-verify did not give (its time limit, an error in it, an answer too long for
+it) counts as wrong and is marked `unverified` (`judge_answer`); the pipeline counts those
+per step (train/unverified, val/unverified). Workers that cannot start at all raise
+`VerifierUnavailable`: the reward never silently becomes an exact-match reward.
 
 Model text is never evaluated as code: only string operations here, and math-verify's
 parser (ANTLR LaTeX grammar / sympy's restricted parse_expr) in the worker.
@@ -35,7 +42,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import multiprocessing
 import multiprocessing.util
 import os
 import re
@@ -44,13 +50,18 @@ import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 
 import pebble
+from loky.backend.context import get_context
 
 __all__ = [
     "extract_answer",
     "normalize_answer",
     "verify_answer",
+    "judge_answer",
+    "Verdict",
+    "VerifierUnavailable",
     "overlong_penalty",
     "format_score",
     "format_reward_weight",
@@ -322,10 +333,15 @@ def _normalize_once(s: str) -> str:
 # ---------------------------------------------------------------------------------------
 
 _SOFT_DEADLINE_FRACTION: float | None = 0.85  # a worker interrupts itself at this share of the limit
-_MAX_POOL_FAILURES = 3  # pools broken in a row (workers that cannot start) before giving up
+_MAX_POOL_FAILURES = 3  # pools broken in a row (workers that cannot start) before raising
 _START_TIMEOUT_S = 60.0  # importing sympy + math-verify in a cold container
-# Spawn, never fork: the caller may hold torch / vLLM / pyarrow threads.
-_SPAWN = multiprocessing.get_context("spawn")
+# A fresh interpreter per worker (no fork of a process holding torch / vLLM / pyarrow
+# threads) that, unlike multiprocessing's spawn, does not re-run the caller's __main__.
+_WORKER_START_METHOD = get_context("loky")
+
+
+class VerifierUnavailable(RuntimeError):
+    """math-verify's worker processes cannot start: no verdict beyond exact matching is possible."""
 
 
 class _SoftDeadline(BaseException):  # BaseException: math-verify swallows Exception
@@ -368,8 +384,9 @@ def _parse_gold(gold: str) -> list:
     return parse(gold, parsing_timeout=None)
 
 
-def _verify_in_worker(gold: str, pred: str, soft_deadline_s: float | None) -> bool:
-    """The pool's task, run in a worker: math-verify's parse + verify of two ``$...$`` strings.
+def _verify_in_worker(gold: str, pred: str, soft_deadline_s: float | None) -> bool | None:
+    """The pool's task, run in a worker: math-verify's parse + verify of two ``$...$`` strings,
+    or None if its soft deadline passed first.
 
     math-verify's own timeouts are off (they use signal.alarm too); instead SIGALRM at
     `soft_deadline_s` ends an ordinary slow case without costing a new worker. The pool
@@ -387,7 +404,7 @@ def _verify_in_worker(gold: str, pred: str, soft_deadline_s: float | None) -> bo
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _SoftDeadline:  # also when it fires inside the `finally` above
-        return False
+        return None
 
 
 class _VerifierPool:
@@ -396,8 +413,8 @@ class _VerifierPool:
     pebble times a task from the moment a worker takes it (time spent queued for a busy
     worker is not counted), kills the worker at the limit and starts a replacement. A pool
     breaks when its workers die with no task running, e.g. when math-verify cannot be
-    imported; it is then replaced, and after _MAX_POOL_FAILURES broken pools in a row
-    math-verify is given up: only exact matches count.
+    imported; the call then goes to a new pool, and after _MAX_POOL_FAILURES broken pools
+    in a row every call raises VerifierUnavailable.
     """
 
     def __init__(self, max_workers: int) -> None:
@@ -405,56 +422,57 @@ class _VerifierPool:
         self._lock = threading.Lock()
         self._pool: pebble.ProcessPool | None = None
         self._failures = 0
-        self._given_up = False
+        self._unavailable: str | None = None  # why the workers cannot start, once given up
         self._stop_at_exit: multiprocessing.util.Finalize | None = None
 
-    def verify(self, gold: str, pred: str, timeout_s: float) -> bool:
-        """math-verify(gold, pred) within `timeout_s` seconds of work; False on any failure."""
-        pool = self._running_pool()
-        if pool is None:
-            return False
+    def verify(self, gold: str, pred: str, timeout_s: float) -> bool | None:
+        """math-verify(gold, pred) within `timeout_s` seconds of work; None when it gave no
+        verdict (time limit, an error in math-verify). Raises VerifierUnavailable."""
         soft = timeout_s * _SOFT_DEADLINE_FRACTION if _SOFT_DEADLINE_FRACTION else None
-        try:
-            future = pool.schedule(_verify_in_worker, (gold, pred, soft), timeout=timeout_s)
-        except RuntimeError as e:  # broke since: its manager saw the workers die
-            self._discard(pool, repr(e))
-            return False
-        return self._result(pool, future, timeout_s)
+        while True:
+            pool = self._running_pool()
+            try:
+                future = pool.schedule(_verify_in_worker, (gold, pred, soft), timeout=timeout_s)
+            except RuntimeError as e:  # broke since: its manager saw the workers die
+                self._discard(pool, repr(e))
+                continue
+            try:
+                return self._result(pool, future, timeout_s)
+            except _PoolBroken as broken:
+                self._discard(pool, str(broken))
 
-    def _running_pool(self) -> pebble.ProcessPool | None:
-        """The current pool (new if need be), or None once math-verify has been given up."""
+    def _running_pool(self) -> pebble.ProcessPool:
+        """The current pool (new if need be). Raises VerifierUnavailable once given up."""
         with self._lock:
-            if self._given_up:
-                return None
+            if self._unavailable:
+                raise VerifierUnavailable(self._unavailable)
             if self._pool is None:
-                self._pool = pebble.ProcessPool(self.max_workers, initializer=_start_worker, context=_SPAWN)
+                self._pool = pebble.ProcessPool(self.max_workers, initializer=_start_worker, context=_WORKER_START_METHOD)
                 # Stop it at exit, before multiprocessing joins the (non-daemon) workers, which
                 # would wait forever: pebble's own atexit hook does not run in a process that
                 # multiprocessing started (it leaves by os._exit), only this finalizer does.
                 self._stop_at_exit = multiprocessing.util.Finalize(None, _stop_pool, (self._pool,), exitpriority=0)
             return self._pool
 
-    def _result(self, pool: pebble.ProcessPool, future: Future, timeout_s: float) -> bool:
+    def _result(self, pool: pebble.ProcessPool, future: Future, timeout_s: float) -> bool | None:
         # Bounded wait: pebble's limit applies only once a worker has taken the task.
-        wait_s = _START_TIMEOUT_S + timeout_s if pool is self._pool else 0.0
+        wait_s = _START_TIMEOUT_S + timeout_s
         try:
             ok = future.result(timeout=wait_s)
         except BrokenProcessPool as e:
-            self._discard(pool, repr(e))
-            return False
+            raise _PoolBroken(repr(e)) from e
         except TimeoutError:
-            if future.done():
-                logger.debug("math-verify worker killed at the time limit; answer counted as wrong")
-            else:
+            if not future.done():
                 future.cancel()
-                self._discard(pool, f"no worker took a task within {wait_s:.0f} s")
-            return False
+                raise _PoolBroken(f"no worker took a task within {wait_s:.0f} s") from None
+            logger.debug("math-verify worker killed at the time limit: no verdict")
+            return None
         except Exception as e:  # math-verify's own errors, a worker that died (ProcessExpired)
-            logger.debug("math-verify failed (counted as wrong): %r", e)
-            return False
+            logger.debug("math-verify failed: no verdict (%r)", e)
+            return None
         with self._lock:
             self._failures = 0
-        return ok is True
+        return ok
 
     def _discard(self, pool: pebble.ProcessPool, reason: str) -> None:
         """Stop a broken pool; the next call starts another unless too many broke in a row."""
@@ -464,13 +482,16 @@ class _VerifierPool:
             self._pool, stop = None, self._stop_at_exit
             self._failures += 1
             if self._failures >= _MAX_POOL_FAILURES:
-                self._given_up = True
-                logger.warning(
-                    "math-verify workers failed %d times in a row (%s); only exact matches will count as correct",
-                    self._failures,
-                    reason,
+                self._unavailable = (
+                    f"math-verify's worker processes failed to start {self._failures} times in a row ({reason}). "
+                    "Check that math-verify imports in a fresh interpreter "
+                    "(python -c 'import math_verify') and that DAPO_VERIFY_MAX_MEM_MB leaves it room."
                 )
         stop()
+
+
+class _PoolBroken(Exception):
+    """The pool's workers died or never took the task: the pool must be replaced."""
 
 
 def _stop_pool(pool: pebble.ProcessPool) -> None:
@@ -516,40 +537,52 @@ def _as_math_verify_latex(s: str) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def verify_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> bool:
+@dataclass(frozen=True)
+class Verdict:
+    """is_equivalent(ŷ, a) and how it was decided."""
+
+    correct: bool
+    unverified: bool = False
+    """True when math-verify was needed but gave no verdict (its time limit, an error in it,
+    an answer longer than MAX_VERIFY_CHARS): counted as wrong, and counted (train/unverified)."""
+
+
+def judge_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> Verdict:
     """is_equivalent(ŷ, a): does response `text` end with an answer equal to `ground_truth`?
 
     Exact path first (extract, `normalize_answer`, string equality; two plain decimals that
     differ are final). Otherwise math-verify in a worker process, at most `timeout_s`
     seconds of verification (a worker's start-up, at first use and after each kill, and any
     wait for a free worker when all `DAPO_VERIFY_WORKERS` are busy, are not counted).
-    Answers or ground truths longer than MAX_VERIFY_CHARS skip math-verify.
-    Timeouts and every error count as False (logged at debug level), never raised.
-    Safe from any thread. A non-str ground truth (an int from a data file) is str()-ed.
+    What math-verify cannot decide counts as wrong, marked unverified. Safe from any thread.
+    A non-str ground truth (an int from a data file) is str()-ed. Raises
+    VerifierUnavailable if math-verify's workers cannot start.
     """
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
-    try:
-        if not isinstance(text, str) or ground_truth is None:
-            return False
-        gold = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-        pred = extract_answer(text)
-        if pred is None:
-            return False
-        norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
-        if not norm_pred or not norm_gold:
-            return False
-        if norm_pred == norm_gold:
-            return True
-        if _PLAIN_NUMBER_RE.fullmatch(norm_pred) and _PLAIN_NUMBER_RE.fullmatch(norm_gold):
-            return False  # canonical decimals: different strings are different numbers
-        if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
-            logger.debug("answer too long for math-verify (%d chars): counted as wrong", len(pred))
-            return False
-        return _POOL.verify(_as_math_verify_latex(gold), _as_math_verify_latex(pred), float(timeout_s))
-    except Exception:
-        logger.debug("verify_answer failed; counted as wrong", exc_info=True)
-        return False
+    if not isinstance(text, str) or ground_truth is None:
+        return Verdict(False)
+    gold = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
+    pred = extract_answer(text)
+    if pred is None:
+        return Verdict(False)
+    norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
+    if not norm_pred or not norm_gold:
+        return Verdict(False)
+    if norm_pred == norm_gold:
+        return Verdict(True)
+    if _PLAIN_NUMBER_RE.fullmatch(norm_pred) and _PLAIN_NUMBER_RE.fullmatch(norm_gold):
+        return Verdict(False)  # canonical decimals: different strings are different numbers
+    if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
+        logger.debug("answer too long for math-verify (%d chars): no verdict", len(pred))
+        return Verdict(False, unverified=True)
+    ok = _POOL.verify(_as_math_verify_latex(gold), _as_math_verify_latex(pred), float(timeout_s))
+    return Verdict(False, unverified=True) if ok is None else Verdict(bool(ok))
+
+
+def verify_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> bool:
+    """`judge_answer(...).correct`: whether the response's answer equals the ground truth."""
+    return judge_answer(text, ground_truth, timeout_s).correct
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
@@ -623,18 +656,20 @@ def score_response(
     """Everything the pipeline records for one response y_i.
 
     reward = R_correct + R_length * overlong_factor + format_weight * format_score
-    `acc` (1.0 / 0.0) is what dynamic sampling filters on (std of acc within a group > 0).
+    `acc` (1.0 / 0.0) is what dynamic sampling filters on (std of acc within a group > 0);
+    `unverified` (1.0 / 0.0) marks a verdict math-verify did not give (Verdict.unverified).
     """
-    correct = verify_answer(text, ground_truth)
-    correctness = 1.0 if correct else -1.0
+    verdict = judge_answer(text, ground_truth)
+    correctness = 1.0 if verdict.correct else -1.0
     penalty = overlong_penalty(response_length, max_len, buffer_len, overlong_factor)
     fmt = format_score(text)
     return {
         "reward": correctness + penalty + format_weight * fmt,
-        "acc": 1.0 if correct else 0.0,
+        "acc": 1.0 if verdict.correct else 0.0,
         "correctness": correctness,
         "overlong_penalty": penalty,
         "format_score": fmt,
+        "unverified": 1.0 if verdict.unverified else 0.0,
     }
 
 

@@ -66,6 +66,7 @@ KFPYTORCH = "flytekitplugins-kfpytorch==1.16.31"
 MLFLOW = "mlflow==3.17.2"
 MATH_VERIFY = "math-verify[antlr4_13_2]==0.9.0"
 PEBBLE = "pebble==5.2.3"
+LOKY = "loky==3.7.0"
 PYARROW = "pyarrow==25.0.1"
 SAFETENSORS = "safetensors==0.8.0"
 TRANSFORMERS = "transformers==5.19.0"
@@ -80,10 +81,11 @@ ACCELERATE = "accelerate==1.16.0"
 
 # Every image can import every task module's light dependencies: flytekit and
 # the PyTorch plugin (task modules import it), MLflow (tracking from any task),
-# math-verify + pebble (rewards: math-verify runs in a pebble process pool), pyarrow
+# math-verify + pebble + loky (rewards: math-verify runs in a pebble process pool whose
+# workers loky starts), pyarrow
 # (data), safetensors + transformers + tokenizers (checkpoints, tokenizer). Same pins
 # as pyproject.toml's dependencies.
-COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS]
+COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, LOKY, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS]
 
 PACKAGES: dict[str, list[str]] = {
     "rollout": COMMON + [TORCH_CUDA, VLLM],

@@ -126,6 +126,19 @@ def test_batch_metrics():
     assert m["train/acc"] == 0.5 and m["train/response_length_mean"] == 6 and m["train/response_length_max"] == 8
 
 
+def test_verdicts_math_verify_did_not_give_are_counted_and_shown_on_the_step_line():
+    from dapo.report import step_line
+
+    too_long = "Answer: " + "1+" * 600 + "1"  # beyond MAX_VERIFY_CHARS: no verdict, counted as wrong
+    scored = verify_rewards(config(), rollout_table({"a": ["Answer: 12", too_long, too_long]}, lengths=[4, 8, 8]), 0)
+    assert scored.column("unverified").to_pylist() == [0.0, 1.0, 1.0]
+    assert scored.column("acc").to_pylist() == [1.0, 0.0, 0.0]
+    m = {"step": 3, **batch_metrics(scored, "train/")}
+    assert m["train/unverified"] == 2.0
+    assert step_line(m).endswith("| unverified 2")
+    assert "unverified" not in step_line({"step": 3, "train/unverified": 0.0})
+
+
 def test_run_stops_after_max_bad_steps_in_a_row():
     bad = {"actor/nonfinite_updates": 4.0, "actor/num_updates": 0.0}
     good = {"actor/nonfinite_updates": 1.0, "actor/num_updates": 3.0}  # one refused, others applied: not bad

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -450,7 +451,7 @@ def test_score_response_correct_inside_buffer_with_format():
         overlong_factor=1.0,
         format_weight=0.5,
     )
-    assert set(out) == {"reward", "acc", "correctness", "overlong_penalty", "format_score"}
+    assert set(out) == {"reward", "acc", "correctness", "overlong_penalty", "format_score", "unverified"}
     assert out["acc"] == 1.0 and out["correctness"] == 1.0
     assert out["overlong_penalty"] == pytest.approx(-0.5)
     assert out["format_score"] == 1.0
@@ -467,7 +468,7 @@ def test_score_response_wrong_truncated_no_format():
         overlong_factor=1.0,
         format_weight=1.0,
     )
-    assert out == {"reward": -2.0, "acc": 0.0, "correctness": -1.0, "overlong_penalty": -1.0, "format_score": 0.0}
+    assert out == {"reward": -2.0, "acc": 0.0, "correctness": -1.0, "overlong_penalty": -1.0, "format_score": 0.0, "unverified": 0.0}
 
 
 def test_score_response_paper_setting_ignores_format():
@@ -499,15 +500,52 @@ def test_worker_is_a_separate_process():
         functools.partial(sys.exit, 3),  # dies before taking a task
     ],
 )
-def test_broken_worker_degrades_to_exact_matching(monkeypatch, caplog, start_worker):
+def test_a_verifier_whose_workers_cannot_start_raises_instead_of_degrading_to_exact_matching(monkeypatch, start_worker):
     monkeypatch.setattr(rewards, "_start_worker", start_worker)
     monkeypatch.setattr(rewards, "_POOL", rewards._VerifierPool(2))
-    with caplog.at_level("WARNING", logger="dapo.rewards"):
-        for _ in range(rewards._MAX_POOL_FAILURES + 1):
-            assert verify_answer("Answer: 1/2", "0.5") is False  # needs math-verify
-        assert verify_answer("Answer: 1,000", "1000") is True  # exact path unaffected
-    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and "only exact matches" in warnings[0].getMessage()
+    assert verify_answer("Answer: 1,000", "1000") is True  # the exact path needs no worker
+    for _ in range(2):  # and every later call says so too
+        with pytest.raises(rewards.VerifierUnavailable, match="failed to start 3 times in a row"):
+            verify_answer("Answer: 1/2", "0.5")  # needs math-verify
+    with pytest.raises(rewards.VerifierUnavailable):
+        score_response("Answer: 1/2", "0.5", 4, max_len=10, buffer_len=2, overlong_factor=1.0, format_weight=0.0)
+
+
+def test_a_verdict_math_verify_did_not_give_counts_as_wrong_and_is_marked_unverified(monkeypatch):
+    monkeypatch.setattr(rewards, "_SOFT_DEADLINE_FRACTION", None)  # only the hard kill stops it
+    slow = "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$"
+    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == rewards.Verdict(correct=False, unverified=True)
+    monkeypatch.undo()
+    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == rewards.Verdict(correct=False, unverified=True)  # soft deadline
+    assert rewards.judge_answer("Answer: " + "1+" * 600 + "1", "5").unverified  # too long for math-verify
+    assert rewards.judge_answer("Answer: 1/2", "0.5") == rewards.Verdict(correct=True, unverified=False)
+    assert rewards.judge_answer("Answer: 3/4", "0.5") == rewards.Verdict(correct=False, unverified=False)
+    assert rewards.judge_answer("no answer here", "0.5") == rewards.Verdict(correct=False, unverified=False)
+    settings = {"max_len": 10, "buffer_len": 2, "overlong_factor": 1.0, "format_weight": 0.0}
+    assert [s["unverified"] for s in score_responses([slow, "Answer: 5"], ["5", "5"], [4, 4], **settings)] == [1.0, 0.0]
+
+
+UNGUARDED_SCRIPT = r"""
+import json
+from dapo.rewards import verify_answer
+cases = [("1/2", "\\frac{1}{2}"), ("0.5", "\\frac{1}{2}"), ("\\frac{3}{4}", "0.75"), ("2\\sqrt{2}", "\\sqrt{8}"),
+         ("\\frac{1}{3}", "0.5")]
+print("VERDICTS", json.dumps([verify_answer(f"Answer: {p}", g) for p, g in cases]))
+"""
+
+
+def test_a_script_without_a_main_guard_gets_math_verify_verdicts(tmp_path):
+    """multiprocessing's spawn re-runs an unguarded __main__ in each worker, whose own first
+    verify_answer then fails to start a process: the workers must not re-run it."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("VERDICTS")] == ["VERDICTS [true, true, true, true, false]"]
+    assert "bootstrapping phase" not in proc.stderr
 
 
 def test_long_task_worked_solutions_are_credited_and_grow_with_the_operands():

@@ -78,7 +78,7 @@ def scored_table(groups: int = 4, seed: int = 0, truncated_every: int = 0, rewar
                     prompt_token_ids=prompt, response_token_ids=response, response_text="",
                     rollout_log_probs=[-5.0] * len(response),
                     truncated=bool(truncated_every) and i % truncated_every == 0,
-                    reward=reward, acc=float(reward > 0), correctness=reward, overlong_penalty=0.0, format_score=0.0,
+                    reward=reward, acc=float(reward > 0), correctness=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
                 )
             )
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
