@@ -40,7 +40,36 @@ def test_imports_leave_logging_alone_and_a_task_configures_it_quiet_by_default(t
     # The failure handler's warning, in the format of our log lines; no INFO lines.
     assert " WARNING tasks.tracking: dapo_loop failed before its MLflow run started" in result.stderr
     assert "an info line" not in result.stderr
-    assert "vllm WARNING mlflow WARNING" in result.stdout
+    assert "vllm ERROR mlflow ERROR" in result.stdout
+
+
+QUIET_PROBE = """
+import logging, os, sys, warnings
+import workflows.dapo  # the job's entry: pyflyte imports it first
+from dapo.logs import configure_logging
+
+print("torch C++ level", os.environ.get("TORCH_CPP_LOG_LEVEL"), "torch imported", "torch" in sys.modules)
+configure_logging()
+logging.getLogger("some_library.module").warning("a library warning")
+logging.getLogger("dapo.pipeline").warning("our warning")
+exec(compile("import warnings; warnings.warn('a library deprecation', FutureWarning)", "lib.py", "exec"), {"__name__": "some_library"})
+exec(compile("import warnings; warnings.warn('our deprecation', FutureWarning)", "ours.py", "exec"), {"__name__": "dapo.config"})
+import torch, vllm._C  # vLLM's CPU worker calls this at every engine start; its C++ warning goes to stderr
+torch.ops._C.init_cpu_memory_env([0])
+"""
+
+
+def test_library_warnings_are_quiet_by_default_and_ours_are_not(tmp_path):
+    quiet = run_python(QUIET_PROBE, tmp_path)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "torch C++ level ERROR torch imported True" in quiet.stdout  # set before the workflow imported torch
+    assert "our warning" in quiet.stderr and "our deprecation" in quiet.stderr
+    for library_line in ("a library warning", "a library deprecation", "NUMA binding"):
+        assert library_line not in quiet.stderr
+    loud = run_python(QUIET_PROBE, tmp_path, DAPO_LOG_LEVEL="warning")
+    assert loud.returncode == 0, loud.stderr
+    for line in ("our warning", "our deprecation", "a library warning", "a library deprecation", "NUMA binding"):
+        assert line in loud.stderr
 
 
 def test_dapo_log_level_brings_the_info_lines_back_and_the_users_library_levels_win(tmp_path):
