@@ -33,7 +33,7 @@ CACHE_VERSIONS = {
     "prepare_data": "1",
     "bootstrap_policy": "1",
     "rollout": "3",  # 3: tied-embedding reload fix
-    "verify_rewards": "2",
+    "verify_rewards": "3",  # 3: the unverified column (verdicts math-verify did not give)
     "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
     "policy_step": "3",  # 3: rollout guard
     "colocated_chunk": "1",
