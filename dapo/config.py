@@ -55,8 +55,11 @@ class DAPOConfig:
     # --- model and data -------------------------------------------------------------
     model_path: str = ""
     """Hugging Face model directory (or hub name) to start from; "" builds the embedded tiny policy."""
-    embedded_warm_start_steps: int = 600
-    """Supervised warm-start steps of the embedded tiny policy (unused with model_path)."""
+    embedded_warm_start_steps: int = 1500
+    """Supervised warm-start steps of the embedded tiny policy (unused with model_path). 1500
+    (about 4 minutes on 2 cores) gets its arithmetic well past chance (one-digit sums ~90%,
+    two-digit ones 7-20%), so the held-out accuracy the RL run starts from is measured on
+    ~25 correct answers of 320, not ~10 (benchmarks/RESULTS.md section 0)."""
     embedded_task: str = "arithmetic"
     """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
     addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
