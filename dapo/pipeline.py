@@ -86,7 +86,8 @@ def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> 
         if not config.model_path:
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-            spec = TinyPolicySpec.for_task(config.embedded_task, config.embedded_warm_start_steps, seed=EMBEDDED_SEED)
+            spec = TinyPolicySpec.for_task(config.embedded_task, config.embedded_warm_start_steps,
+                                           config.embedded_layout_noise, seed=EMBEDDED_SEED)
             stats = build_tiny_policy(scratch, spec, progress=progress)
         elif Path(config.model_path).is_dir():
             shutil.copytree(config.model_path, scratch, dirs_exist_ok=True)

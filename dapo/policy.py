@@ -48,9 +48,9 @@ class TinyPolicySpec:
     warm_start_steps: int = 600
     warm_start_batch: int = 32
     warm_start_lr: float = 2e-3
-    layout_noise: float = 0.75
-    """Share of warm-start examples whose last line ignores the required answer layout: the
-    policy starts with about 1 - layout_noise of its answers creditable, which RL lifts to ~0.9."""
+    layout_noise: float = 0.6
+    """Share of warm-start examples whose last line ignores the required answer layout (the
+    embedded run's: DAPOConfig.embedded_layout_noise)."""
     task: str = "arithmetic"
     """The embedded task (dapo.data.EMBEDDED_TASKS) the policy is warm-started on."""
     verbose_share: float = 0.0
@@ -58,12 +58,12 @@ class TinyPolicySpec:
     seed: int = 0
 
     @classmethod
-    def for_task(cls, task: str, warm_start_steps: int, seed: int = 0) -> "TinyPolicySpec":
+    def for_task(cls, task: str, warm_start_steps: int, layout_noise: float, seed: int = 0) -> "TinyPolicySpec":
         """The embedded policy of a task. long_arithmetic's is warm-started with correct
-        layouts, half of them wordy: its flaw for RL to fix is length, not layout."""
+        layouts (layout_noise unused), half of them wordy: its flaw for RL to fix is length."""
         if task == "long_arithmetic":
             return cls(task=task, layout_noise=0.0, verbose_share=0.5, warm_start_steps=warm_start_steps, seed=seed)
-        return cls(task=task, warm_start_steps=warm_start_steps, seed=seed)
+        return cls(task=task, warm_start_steps=warm_start_steps, layout_noise=layout_noise, seed=seed)
 
 
 def response_text(problem: str, answer: str, required_layout: bool = True) -> str:

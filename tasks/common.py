@@ -31,7 +31,7 @@ from dapo.logs import configure_logging
 CACHE_VERSIONS = {
     "resolve_config": "3",  # 3: typed DAPOConfig outputs (the whole config and each task's part)
     "prepare_data": "1",
-    "bootstrap_policy": "2",  # 2: the embedded policy's layout noise 0.75 (was 0.6)
+    "bootstrap_policy": "1",
     "rollout": "3",  # 3: tied-embedding reload fix
     "verify_rewards": "3",  # 3: the unverified column (verdicts math-verify did not give)
     "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)

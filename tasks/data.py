@@ -19,7 +19,7 @@ from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_
 DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row", "embedded_task")
 PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b",)
 """Presets whose model is not meant for the embedded arithmetic task."""
-POLICY_FIELDS = ("model_path", "embedded_warm_start_steps", "embedded_task")
+POLICY_FIELDS = ("model_path", "embedded_warm_start_steps", "embedded_layout_noise", "embedded_task")
 
 ResolvedConfig = typing.NamedTuple(
     "ResolvedConfig", [("config", DAPOConfig), ("step_config", DAPOConfig), ("data_config", DAPOConfig), ("policy_config", DAPOConfig)]

@@ -76,6 +76,8 @@ class RunSummary:
     mlflow_tracking_uri: str
     undelivered_records: int
     """Tracking records MLflow has not accepted (kept in the outbox and, locally, in a file)."""
+    val_acc_curve: str = ""
+    """The validation accuracy by step, as "step: acc" pairs ("" if MLflow could not be reached)."""
 
 
 def run_target(target_json: str) -> tracking.RunTarget:
@@ -220,7 +222,20 @@ def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model
         final_step=state.last_val_step, final_val_acc=state.last_val_acc, best_val_acc=state.best_val_acc,
         best_val_step=state.best_val_step, champion_version=tracking.alias_version(target, model_name), model_name=model_name,
         mlflow_run_id=run_id, mlflow_tracking_uri=target.tracking_uri, undelivered_records=len(pending),
+        val_acc_curve=val_acc_curve(target, run_id),
     )
+
+
+def val_acc_curve(target: tracking.RunTarget, run_id: str) -> str:
+    """The run's validation accuracy by step from MLflow, "0: 0.203, 5: 0.287, ..."; "" if
+    MLflow cannot be reached (the summary is a view: it must not fail the run)."""
+    try:
+        with tracking.fast_fail():
+            history = tracking.run_history(target.tracking_uri, run_id)
+    except Exception as error:
+        logger.warning("no validation curve in the summary: MLflow at %s: %s", target.tracking_uri, error)
+        return ""
+    return ", ".join(f"{int(h['step'])}: {h['val/acc']:.3f}" for h in history if "val/acc" in h)
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))

@@ -7,7 +7,8 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LEVEL_VARIABLES = ("DAPO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "MLFLOW_LOGGING_LEVEL")
+LEVEL_VARIABLES = ("DAPO_LOG_LEVEL", "VLLM_LOGGING_LEVEL", "MLFLOW_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL",
+                   "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 def run_python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:

@@ -36,7 +36,7 @@ issue 11's item 2 at what fails next."""
 # One small step: few prompts, G=4, short answers, two generation rounds at most (the first
 # usually fills the batch of 2, so the conditional round is keep_batch: one cheap pod).
 SMALL = {
-    "embedded_warm_start_steps": 4, "train_prompt_bsz": 2, "gen_prompt_bsz": 8, "n_samples_per_prompt": 4,
+    "embedded_layout_noise": 0.6, "embedded_warm_start_steps": 4, "train_prompt_bsz": 2, "gen_prompt_bsz": 8, "n_samples_per_prompt": 4,
     "ppo_mini_batch_size": 2, "max_num_gen_batches": 2, "filter_metric": "reward", "max_response_length": 16,
     "overlong_buffer_len": 4, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 8, "total_steps": 1,
 }

@@ -7,6 +7,7 @@ run that was not killed."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 # Small enough for a 2-core CI machine: a short warm start, few prompts, 2 steps.
 SMALL = {
-    "embedded_warm_start_steps": 120, "train_prompt_bsz": 4, "gen_prompt_bsz": 8, "ppo_mini_batch_size": 2,
+    "embedded_layout_noise": 0.6, "embedded_warm_start_steps": 120, "train_prompt_bsz": 4, "gen_prompt_bsz": 8, "ppo_mini_batch_size": 2,
     "max_num_gen_batches": 2, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 16,
 }
 BUCKET = "dapo"
@@ -134,6 +135,7 @@ def test_local_run_completes_logs_steps_and_registers_servable_versions_in_s3(fi
     lines = step_lines(result.stdout)
     assert any(line.startswith("step    0 |") for line in lines)  # validation of the starting policy
     assert any(line.startswith("step    2 |") for line in lines)
+    assert re.search(r"val_acc_curve='0: [01]\.\d{3}, 1: [01]\.\d{3}, 2: [01]\.\d{3}'", result.stdout)  # the summary ends it
     client = mlflow_client(home)
     versions = client.search_model_versions("name = 'e2e-policy'")
     assert sorted(int(v.tags["step"]) for v in versions) == [0, 1, 2]
