@@ -139,7 +139,8 @@ def test_a_colocated_run_killed_at_random_moments_resumes_each_time_to_the_unint
     """5 steps, a record every step: killed first in step 2's rollout (the resume then has 3
     records to write: each save after a resume once needed the record it resumed from,
     which the first save prunes), then SIGKILLed at random instants (rollout, update,
-    sync, record, prune, MLflow delivery) and run again until a run finishes by itself.
+    sync, record, prune, MLflow delivery: drawn within the first run's length) and run
+    again until a run finishes by itself.
     The finished run has the uninterrupted run's steps and weights, bit for bit, and MLflow
     holds each step once; a record checkpoint every 2 steps resumes the same way."""
     import json
@@ -159,14 +160,18 @@ def test_a_colocated_run_killed_at_random_moments_resumes_each_time_to_the_unint
         target = RunTarget(f"sqlite:///{tmp_path / f'mlflow-{every}.db'}", "kills", "run", "run")
         command = [sys.executable, "-c", TRACKED_RUN, config.to_json(), policy_dir, data, str(out), str(n_steps), str(every),
                    json.dumps(target.__dict__)]
+        started = time.monotonic()
         first = subprocess.run(command, env={**env, "DAPO_CRASH_AT": "rollout@2"}, capture_output=True, text=True, timeout=600)
         assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+        # The killed run started and ran 2 steps; each later one starts and runs up to 3: kill
+        # instants drawn below its length land anywhere from the imports to the last step.
+        first_seconds = time.monotonic() - started
         kills, started = 0, time.monotonic()
         while True:
             run = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True)
             try:
-                _, stderr = run.communicate(timeout=rng.uniform(4.0, 20.0) if kills < random_kills else 600)
+                _, stderr = run.communicate(timeout=rng.uniform(0.3, 0.95) * first_seconds if kills < random_kills else 600)
                 assert run.returncode == 0, stderr[-3000:]
                 break
             except subprocess.TimeoutExpired:
