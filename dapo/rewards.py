@@ -422,7 +422,7 @@ class _VerifierPool:
         self._lock = threading.Lock()
         self._pool: pebble.ProcessPool | None = None
         self._failures = 0
-        self._unavailable: str | None = None  # why the workers cannot start, once given up
+        self._unavailable: str | None = None  # why the workers cannot start, after _MAX_POOL_FAILURES
         self._stop_at_exit: multiprocessing.util.Finalize | None = None
 
     def verify(self, gold: str, pred: str, timeout_s: float) -> bool | None:
@@ -437,7 +437,7 @@ class _VerifierPool:
                 self._discard(pool, repr(e))
                 continue
             try:
-                return self._result(pool, future, timeout_s)
+                return self._result(future, timeout_s)
             except _PoolBroken as broken:
                 self._discard(pool, str(broken))
 
@@ -454,7 +454,7 @@ class _VerifierPool:
                 self._stop_at_exit = multiprocessing.util.Finalize(None, _stop_pool, (self._pool,), exitpriority=0)
             return self._pool
 
-    def _result(self, pool: pebble.ProcessPool, future: Future, timeout_s: float) -> bool | None:
+    def _result(self, future: Future, timeout_s: float) -> bool | None:
         # Bounded wait: pebble's limit applies only once a worker has taken the task.
         wait_s = _START_TIMEOUT_S + timeout_s
         try:
