@@ -29,11 +29,17 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop
 
+# Test files spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, so
+# its module fixtures are built once), each with one torch thread: two processes of torch's
+# default threads on 2 cores spin against each other (a step took 10x longer).
+TEST_WORKERS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PYTEST) --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not vllm and not deepspeed"
+	$(PYTEST) -m "not slow and not vllm and not deepspeed"
 
 # Benchmarks (benchmarks/RESULTS.md): each prints its figures.
 ablation: setup
