@@ -71,7 +71,7 @@ def worker(args) -> None:
     config = DAPOConfig.tiny_cpu().replace(
         trainer_backend=args.backend, zero_stage=2, dtype="float32",
         n_samples_per_prompt=args.samples, train_prompt_bsz=args.prompts, gen_prompt_bsz=args.prompts,
-        ppo_mini_batch_size=args.mini_batch, micro_batch_size=args.micro_batch,
+        ppo_mini_batch_size=args.mini_batch, micro_batch_size=args.micro_batch, max_tokens_per_micro_batch=0,
     )
     table = scored_batch(args.prompts, args.samples)
     cuda = torch.cuda.is_available()

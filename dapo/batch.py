@@ -97,6 +97,27 @@ def collate(
     )
 
 
+def trim_batch(batch: PolicyBatch) -> PolicyBatch:
+    """Drop prompt columns that are padding in every row and response columns past the longest response."""
+    prompt_len = batch.prompt_length
+    prompt_cols = batch.attention_mask[:, :prompt_len].any(dim=0).nonzero()
+    left = int(prompt_cols[0]) if len(prompt_cols) else prompt_len - 1
+    left = min(left, prompt_len - 1)  # keep the position whose logits predict the first response token
+    response_cols = batch.response_mask.any(dim=0).nonzero()
+    keep = int(response_cols[-1]) + 1 if len(response_cols) else 1
+    end = prompt_len + keep
+    input_ids = batch.input_ids[:, left:end]
+    new_prompt_len = prompt_len - left
+    return PolicyBatch(
+        input_ids=input_ids,
+        attention_mask=batch.attention_mask[:, left:end],
+        position_ids=batch.position_ids[:, left:end],
+        responses=input_ids[:, new_prompt_len:],
+        response_mask=batch.response_mask[:, :keep],
+        prompt_length=new_prompt_len,
+    )
+
+
 def collate_table(table: pa.Table, pad_token_id: int) -> PolicyBatch:
     return collate(
         table.column("prompt_token_ids").to_pylist(),
@@ -123,7 +144,78 @@ def response_log_probs(
         use_cache=False,
     ).logits
     response_logits = logits[:, batch.prompt_length - 1 : -1, :].float() / temperature
-    log_probs = torch.log_softmax(response_logits, dim=-1)
-    token_log_probs = log_probs.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(response_logits) if with_entropy else None
-    return token_log_probs, entropy
+    return _token_log_probs(response_logits, batch.responses, with_entropy)
+
+
+def _token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token_log_probs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return token_log_probs, entropy_from_logits(logits) if with_entropy else None
+
+
+@dataclass
+class PackedBatch:
+    """The rows of a PolicyBatch end to end in one sequence, without padding.
+
+    Positions restart at 0 on each row, which is how transformers recognises packed
+    sequences when no attention mask is given: each token attends to its own row only
+    (varlen kernels under flash attention, a block-diagonal mask under sdpa and eager).
+    """
+
+    input_ids: torch.Tensor  # (1, T), T = the rows' prompt + response tokens
+    position_ids: torch.Tensor  # (1, T)
+    logit_positions: torch.Tensor  # (N,) where the logits of the N response tokens are
+    targets: torch.Tensor  # (N,) the response tokens
+    slots: torch.Tensor  # (N,) their flat index in the (rows, width) response layout
+    rows: int
+    width: int
+
+
+def pack(batch: PolicyBatch) -> PackedBatch:
+    """Each row's real tokens (its prompt, then its response), one row after another."""
+    ids, positions, logit_positions, slots = [], [], [], []
+    width = batch.responses.shape[1]
+    offset = 0
+    for row in range(len(batch)):
+        prompt = int(batch.attention_mask[row, : batch.prompt_length].sum())
+        response = int(batch.response_mask[row].sum())
+        if prompt == 0:
+            raise ValueError(f"row {row} has an empty prompt: no position predicts its first response token")
+        start = batch.prompt_length - prompt
+        ids.append(batch.input_ids[row, start : batch.prompt_length + response])
+        positions.append(torch.arange(prompt + response))
+        logit_positions.append(torch.arange(response) + offset + prompt - 1)
+        slots.append(torch.arange(response) + row * width)
+        offset += prompt + response
+    input_ids = torch.cat(ids).unsqueeze(0)
+    logit_positions, slots = torch.cat(logit_positions), torch.cat(slots)
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=torch.cat(positions).unsqueeze(0),
+        logit_positions=logit_positions,
+        targets=input_ids[0, logit_positions + 1],
+        slots=slots,
+        rows=len(batch),
+        width=width,
+    )
+
+
+def packed_response_log_probs(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """response_log_probs of a packed batch, laid out (rows, width) as the padded batch's
+    (zeros past each response): logits are computed for the real tokens only."""
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+    response_logits = logits[0, packed.logit_positions].float() / temperature
+    token_log_probs, entropy = _token_log_probs(response_logits, packed.targets, with_entropy)
+
+    def unpack(values: torch.Tensor) -> torch.Tensor:
+        flat = values.new_zeros(packed.rows * packed.width)
+        return flat.index_put((packed.slots,), values).view(packed.rows, packed.width)
+
+    return unpack(token_log_probs), None if entropy is None else unpack(entropy)

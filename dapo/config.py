@@ -21,6 +21,7 @@ TRAINER_BACKENDS = ("deepspeed", "torch")
 SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
 EXECUTION_MODES = ("per_stage", "colocated")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 EMBEDDED_TASKS = ("arithmetic", "long_arithmetic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -140,7 +141,22 @@ class DAPOConfig:
     """Prompts per optimiser update (train_prompt_bsz / this = updates per step)."""
     ppo_epochs: int = 1
     micro_batch_size: int = 0
-    """Responses per forward/backward (gradient accumulation); 0 = the whole mini-batch."""
+    """Responses per forward/backward (gradient accumulation); 0 = the whole mini-batch.
+    Replaced by max_tokens_per_micro_batch when that is set."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward, in the policy update and the log-prob pass
+    (verl's ppo_max_token_len_per_gpu): rows sorted by length fill each micro-batch while
+    its tokens (rows x longest prompt + response, or the rows' own tokens with
+    remove_padding) stay within it, and micro-batches are dealt to the ranks by tokens. So
+    compute and activation memory follow the tokens, not the longest response (dapo.micro_batches;
+    benchmarks/micro_batches.py). 0 = micro_batch_size rows each. At least
+    max_prompt_length + max_response_length, so that any row fits."""
+    remove_padding: bool = False
+    """Pack each micro-batch's rows into one sequence (positions restarting per row), so no
+    compute goes to padding. For GPUs with attn_implementation="flash_attention_2" (varlen
+    attention); under sdpa (the default) a block-diagonal mask makes attention cost the
+    packed length squared: on this CPU 2.2x slower than the length-sorted padded
+    micro-batches at the paper's spread (benchmarks/RESULTS.md section 10)."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient before the run stops."""
 
@@ -154,6 +170,11 @@ class DAPOConfig:
     zero_stage: int = 2
     dtype: str = "bfloat16"
     """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
+    attn_implementation: str = "sdpa"
+    """The trainer's attention kernel (transformers' attn_implementation; ATTN_IMPLEMENTATIONS).
+    "flash_attention_2"/"_3" need the flash-attn package on GPUs (not in our images); with
+    remove_padding they attend within each packed row only (varlen), where sdpa and eager
+    mask a packed micro-batch's whole length."""
     max_rollout_logprob_gap: float | None = None
     """The rollout guard: the most the mean |rollout - trainer| log-prob per response token
     (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
@@ -280,12 +301,19 @@ class DAPOConfig:
         need(1 <= self.ppo_mini_batch_size <= self.train_prompt_bsz, "ppo_mini_batch_size", "must lie in [1, train_prompt_bsz]")
         need(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0")
+        longest_row = self.max_prompt_length + self.max_response_length
+        need(self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest_row,
+             "max_tokens_per_micro_batch", f"must be 0 (off) or >= max_prompt_length + max_response_length = {longest_row}")
+        need(self.max_tokens_per_micro_batch == 0 or self.micro_batch_size == 0, "max_tokens_per_micro_batch",
+             "replaces micro_batch_size: set one of them (micro_batch_size=0 for a token "
+             "budget, max_tokens_per_micro_batch=0 for micro-batches of micro_batch_size rows)")
         need(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
         need(self.total_steps >= 1, "total_steps", "must be >= 1")
         need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"must be one of {ROLLOUT_BACKENDS}")
         need(self.trainer_backend in TRAINER_BACKENDS, "trainer_backend", f"must be one of {TRAINER_BACKENDS}")
         need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
+        need(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation", f"must be one of {ATTN_IMPLEMENTATIONS}")
         need(
             self.max_rollout_logprob_gap is None or self.max_rollout_logprob_gap > 0,
             "max_rollout_logprob_gap",
@@ -440,6 +468,7 @@ class DAPOConfig:
             clip_ratio_c=10.0,
             total_steps=1000,
             zero_stage=3,
+            max_tokens_per_micro_batch=2048 + 20480,  # one longest row a GPU, as verl's recipe (actor_ppo_max_token_len)
             execution="colocated",
             colocated_checkpoint_every=10,
             tensor_parallel_size=4,
@@ -471,6 +500,7 @@ class DAPOConfig:
             warmup_steps=2,
             weight_decay=0.0,
             ppo_mini_batch_size=4,
+            max_tokens_per_micro_batch=4096,  # a mini-batch's 32 rows in one pass (~2,300 tokens padded)
             total_steps=30,
             zero_stage=2,
             dtype="float32",

@@ -521,7 +521,7 @@ def evaluate(config: DAPOConfig, policy_dir: str, data_dir: str, step: int, n_sa
     scored = validation_samples(config, policy_dir, data_dir)
     metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
     if config.val_entropy:
-        metrics["val/entropy"] = policy_entropy(policy_dir, scored, config.temperature)
+        metrics["val/entropy"] = policy_entropy(policy_dir, scored, config.temperature, max_tokens=config.max_tokens_per_micro_batch)
     first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
     samples = [
         {"step": step, "problem": row["prompt"][-120:], "ground_truth": row["ground_truth"], "response": row["response_text"], "acc": row["acc"]}
@@ -552,9 +552,12 @@ def validation_samples(config: DAPOConfig, policy_dir: str, data_dir: str) -> pa
     return verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=10**9)
 
 
-def policy_entropy(policy_dir: str, table: pa.Table, temperature: float, rows_per_forward: int = 64) -> float:
+def policy_entropy(
+    policy_dir: str, table: pa.Table, temperature: float, rows_per_forward: int = 64, max_tokens: int = 0
+) -> float:
     """Mean entropy per response token (nats) of the policy in policy_dir at `temperature`,
-    over the responses of `table` (teacher-forced, transformers on CPU).
+    over the responses of `table` (teacher-forced, transformers on CPU), rows_per_forward
+    rows a forward, or by a token budget of max_tokens (dapo.micro_batches).
 
     On the validation samples this is the entropy of the policy on a fixed probe set (the
     validation prompts, its own responses): unlike actor/entropy, measured on the batch a
@@ -562,14 +565,17 @@ def policy_entropy(policy_dir: str, table: pa.Table, temperature: float, rows_pe
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo.batch import collate_table, response_log_probs
+    from dapo.batch import collate_table, response_log_probs, trim_batch
+    from dapo.micro_batches import plan_micro_batches
 
     pad_token_id = AutoTokenizer.from_pretrained(policy_dir).pad_token_id or 0
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    whole = collate_table(table, pad_token_id)
+    micro, _ = plan_micro_batches(whole, torch.arange(len(whole)), micro_batch_size=rows_per_forward, max_tokens=max_tokens, packed=False)
     entropy_sum = tokens = 0.0
     with torch.no_grad():
-        for start in range(0, table.num_rows, rows_per_forward):
-            batch = collate_table(table.slice(start, rows_per_forward), pad_token_id)
+        for rows in micro:
+            batch = trim_batch(whole.select(rows))
             _, entropy = response_log_probs(model, batch, temperature, with_entropy=True)
             entropy_sum += float((entropy * batch.response_mask).sum())
             tokens += float(batch.response_mask.sum())

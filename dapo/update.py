@@ -8,7 +8,8 @@ For a scored batch of G responses o_i per question q with rewards R_i:
 4. ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size`` whole groups,
    shuffled with a generator seeded by (config.seed, step, epoch);
 5. per mini-batch, the decoupled-clip loss L_{i,t} (``dapo.loss``) over micro-batches of
-   ``micro_batch_size`` responses, each micro loss weighted by its share of the
+   ``micro_batch_size`` responses or of ``max_tokens_per_micro_batch`` tokens
+   (``dapo.micro_batches``), each micro loss weighted by its share of the
    mini-batch's valid tokens sum_i |o_i| (token-mean) or of its responses with a valid
    token (seq modes), so the accumulated gradient is exactly that of the whole
    mini-batch's loss; clip at ``grad_clip``; AdamW step at
@@ -19,7 +20,8 @@ For a scored batch of G responses o_i per question q with rewards R_i:
 
 Across data-parallel ranks (DeepSpeed with WORLD_SIZE > 1) every rank holds the
 whole scored table: the old-log-prob pass and the micro-batches of each mini-batch
-are dealt round-robin over the ranks, each micro loss is scaled by the world size
+are dealt over the ranks (round-robin, or by tokens under a token budget), each micro
+loss is scaled by the world size
 (DeepSpeed averages gradients over ranks), and ranks short of a micro-batch run a
 zero-weight one so that all ranks run the same collectives.
 """
@@ -40,6 +42,7 @@ from dapo.advantages import group_advantages, group_index
 from dapo.batch import PolicyBatch, collate_table
 from dapo.config import DAPOConfig
 from dapo.loss import masked_mean, policy_loss
+from dapo.micro_batches import plan_micro_batches
 
 if TYPE_CHECKING:
     from dapo.trainer import PolicyTrainer
@@ -138,11 +141,12 @@ def minibatch_backward(
     total_units = (mask.sum(dim=-1) > 0).sum().item() if seq_mode else total_tokens
     if total_units == 0:
         return None
-    size = config.micro_batch_size or len(rows)
-    chunks = list(rows.split(size))
-    per_rank = -(-len(chunks) // trainer.world_size)
-    mine = [(c, True) for c in chunks[trainer.rank :: trainer.world_size]]
-    mine += [(chunks[0], False)] * (per_rank - len(mine))  # zero-weight filler: same collectives on every rank
+    chunks, per_rank = plan_micro_batches(
+        data.batch, rows, micro_batch_size=config.micro_batch_size, max_tokens=config.max_tokens_per_micro_batch,
+        packed=config.remove_padding, rank=trainer.rank, world_size=trainer.world_size,
+    )
+    mine = [(c, True) for c in chunks]
+    mine += [(rows[:1], False)] * (per_rank - len(mine))  # zero-weight filler: same collectives on every rank
 
     width = data.batch.responses.shape[1]
     if config.loss_agg_mode == "seq-mean-token-sum-norm":

@@ -33,7 +33,10 @@ def test_two_process_elastic_step_matches_one_process(tmp_path_factory, monkeypa
     policy_dir = shared_tiny_policy(tmp_path_factory)
     table = scored_table(groups=4)
     # The synthetic batch's rollout log-probs come from no engine: the rollout guard is off.
-    config = make_config(trainer_backend="deepspeed", zero_stage=2, micro_batch_size=3, max_rollout_logprob_gap=math.inf)
+    # Packed micro-batches of 48 tokens (2-3 rows): 3-4 a mini-batch, dealt to the two
+    # ranks by tokens, one rank running a zero-weight filler where their counts differ.
+    config = make_config(trainer_backend="deepspeed", zero_stage=2, max_prompt_length=16, max_response_length=16,
+                         max_tokens_per_micro_batch=48, remove_padding=True, max_rollout_logprob_gap=math.inf)
     two = config.replace(trainer_nproc_per_node=2)
     elastic = train.policy_step_for(two)
     assert elastic.task_config.nproc_per_node == 2 and elastic is not train.policy_step

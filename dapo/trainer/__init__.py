@@ -3,7 +3,7 @@
 The update itself (the DAPO algorithm) is ``dapo.update.policy_update``.
 """
 
-from .base import META_FILE, STATE_DIR, PolicyTrainer, TrainerState, make_trainer, trim_batch
+from .base import META_FILE, STATE_DIR, PolicyTrainer, TrainerState, make_trainer
 from .launch import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 
 __all__ = [
@@ -16,5 +16,4 @@ __all__ = [
     "make_trainer",
     "prune_step_dirs",
     "rank0_value",
-    "trim_batch",
 ]

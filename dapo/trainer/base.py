@@ -22,7 +22,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from dapo import checkpoint
-from dapo.batch import PolicyBatch, response_log_probs
+from dapo.batch import PolicyBatch, pack, packed_response_log_probs, response_log_probs, trim_batch
 from dapo.config import DAPOConfig
+from dapo.micro_batches import plan_micro_batches
 
 STATE_DIR = "trainer_state"
 """Sub-directory of a checkpoint with the optimizer state and the step counters."""
 META_FILE = "meta.json"
+_PACKED_TENSORS = ("input_ids", "position_ids", "logit_positions", "targets", "slots")
 
 # Files of a source model dir that save_pretrained writes itself (or that must not be copied).
 _NOT_COPIED = {
@@ -69,27 +71,6 @@ class TrainerState:
         values = json.loads(path.read_text())
         known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
         return cls(**known)
-
-
-def trim_batch(batch: PolicyBatch) -> PolicyBatch:
-    """Drop prompt columns that are padding in every row and response columns past the longest response."""
-    prompt_len = batch.prompt_length
-    prompt_cols = batch.attention_mask[:, :prompt_len].any(dim=0).nonzero()
-    left = int(prompt_cols[0]) if len(prompt_cols) else prompt_len - 1
-    left = min(left, prompt_len - 1)  # keep the position whose logits predict the first response token
-    response_cols = batch.response_mask.any(dim=0).nonzero()
-    keep = int(response_cols[-1]) + 1 if len(response_cols) else 1
-    end = prompt_len + keep
-    input_ids = batch.input_ids[:, left:end]
-    new_prompt_len = prompt_len - left
-    return PolicyBatch(
-        input_ids=input_ids,
-        attention_mask=batch.attention_mask[:, left:end],
-        position_ids=batch.position_ids[:, left:end],
-        responses=input_ids[:, new_prompt_len:],
-        response_mask=batch.response_mask[:, :keep],
-        prompt_length=new_prompt_len,
-    )
 
 
 def _to(batch: PolicyBatch, device: torch.device) -> PolicyBatch:
@@ -222,8 +203,14 @@ class PolicyTrainer(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs (and entropy) of one micro-batch, with grad; (B, R) like the batch.
 
-        Padding columns shared by all rows are trimmed for the pass and restored as zeros.
+        Packed (config.remove_padding): no padding is computed at all. Else padding columns
+        shared by all rows are trimmed for the pass and restored as zeros.
         """
+        if self.config.remove_padding:
+            packed = pack(batch)
+            packed = replace(packed, **{name: getattr(packed, name).to(self.device) for name in _PACKED_TENSORS})
+            with self.autocast():
+                return packed_response_log_probs(self.module, packed, temperature, with_entropy)
         width = batch.responses.shape[1]
         trimmed = _to(trim_batch(batch), self.device)
         with self.autocast():
@@ -237,17 +224,18 @@ class PolicyTrainer(ABC):
     @torch.no_grad()
     def log_probs(self, batch: PolicyBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad, micro-batched (log_probs, entropy), both (B, R) float32 on the CPU."""
-        size = max(1, self.forward_micro_batch_size)
         n, width = len(batch), batch.responses.shape[1]
         log_probs = torch.zeros((n, width), dtype=torch.float32)
         entropy = torch.zeros((n, width), dtype=torch.float32)
-        chunks = list(torch.arange(n).split(size))
-        mine = chunks[self.rank :: self.world_size]
-        per_rank = -(-len(chunks) // self.world_size)
+        rows = torch.arange(n)
+        mine, per_rank = plan_micro_batches(
+            batch, rows, micro_batch_size=self.forward_micro_batch_size, max_tokens=self.config.max_tokens_per_micro_batch,
+            packed=self.config.remove_padding, rank=self.rank, world_size=self.world_size,
+        )
         self.train_mode(False)
         for i in range(per_rank):
             # Ranks short of a chunk run a discarded one: sharded (ZeRO-3) forwards are collectives.
-            chunk = mine[i] if i < len(mine) else chunks[0]
+            chunk = mine[i] if i < len(mine) else rows[:1]
             lp, ent = self.forward(batch.select(chunk), temperature, with_entropy=True)
             if i < len(mine):
                 log_probs[chunk] = lp.float().cpu()

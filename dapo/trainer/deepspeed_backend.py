@@ -160,7 +160,9 @@ class DeepSpeedTrainer(PolicyTrainer):
         # Load in the training dtype: DeepSpeed casts to it anyway (keeping fp32 master
         # weights in the ZeRO optimizer), and a 16-bit load halves host memory.
         with _zero3_loading(self.ds_config) if self.stage == 3 else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[config.dtype])
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=_DTYPES[config.dtype], attn_implementation=config.attn_implementation
+            )
         model.config.use_cache = False
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],

@@ -38,7 +38,9 @@ class TorchTrainer(PolicyTrainer):
         from transformers import AutoModelForCausalLM
 
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self._device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.float32, attn_implementation=config.attn_implementation
+        ).to(self._device)
         self.model.config.use_cache = False
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
