@@ -9,6 +9,7 @@ recipe/dapo/run_dapo_qwen2.5_32b.sh) unless a field's comment says otherwise.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from collections.abc import Iterable
@@ -438,11 +439,23 @@ class DAPOConfig:
         return self.from_dict({**self.to_dict(), **overrides})
 
     @classmethod
+    def presets(cls) -> dict[str, "DAPOConfig"]:
+        return {"paper_32b": cls.paper_32b(), "tiny_cpu": cls.tiny_cpu()}
+
+    @classmethod
     def preset(cls, name: str, overrides: dict[str, Any] | None = None) -> "DAPOConfig":
-        presets = {"paper_32b": cls.paper_32b, "tiny_cpu": cls.tiny_cpu}
+        presets = cls.presets()
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return presets[name]().replace(**(overrides or {}))
+        return presets[name].replace(**(overrides or {}))
+
+    @classmethod
+    def presets_fingerprint(cls) -> str:
+        """A hash of every preset's every value: a config resolved from a preset name is
+        cached under it, so that a new field or a preset changed by an upgrade is resolved
+        again rather than served, stale, from the cache (its new fields at their defaults)."""
+        values = {name: config.to_dict() for name, config in cls.presets().items()}
+        return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     # --- presets ----------------------------------------------------------------------
     @classmethod

@@ -29,7 +29,9 @@ from dapo.logs import configure_logging
 # Bump a version when the task's code changes what it computes: cached results of the
 # old code are then not reused. One place, so a reviewer sees them all.
 CACHE_VERSIONS = {
-    "resolve_config": "3",  # 3: typed DAPOConfig outputs (the whole config and each task's part)
+    # 3: typed DAPOConfig outputs (the whole config and each task's part); the presets'
+    # fingerprint: a preset or field changed in code is resolved again, never served stale
+    "resolve_config": f"3-{DAPOConfig.presets_fingerprint()}",
     "prepare_data": "1",
     "bootstrap_policy": "1",
     "rollout": "3",  # 3: tied-embedding reload fix

@@ -95,3 +95,17 @@ def test_round_trip_and_overrides():
     c = DAPOConfig.preset("tiny_cpu", {"total_steps": 7, "clip_high": 0.3})
     assert c.total_steps == 7 and c.clip_high == 0.3
     assert DAPOConfig.from_dict(c.to_dict()) == c
+
+
+def test_a_preset_changed_in_code_changes_the_cache_version_of_its_resolution(monkeypatch):
+    """resolve_config is cached on the preset's name: were its version blind to the presets'
+    values, a run after an upgrade that changed tiny_cpu would get the old tiny_cpu from the
+    cache, its new fields at their defaults."""
+    from tasks import common
+
+    before = DAPOConfig.presets_fingerprint()
+    assert common.CACHE_VERSIONS["resolve_config"].endswith(before)
+    tiny = DAPOConfig.tiny_cpu
+    monkeypatch.setattr(DAPOConfig, "tiny_cpu", classmethod(lambda cls: tiny().replace(max_tokens_per_micro_batch=8192)))
+    assert DAPOConfig.preset("tiny_cpu").max_tokens_per_micro_batch == 8192
+    assert DAPOConfig.presets_fingerprint() != before
