@@ -30,6 +30,7 @@ are a lower bound.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,10 @@ DEEPSPEED_START_BILLIONS = 32
 # (NVIDIA-NeMo/RL#2413); scaled by parameters.
 NCCL_SYNC_S = 0.5
 NCCL_SYNC_BILLIONS = 30
+# The update's share of a synchronous step: rollout is ~70% (verl docs/advance/one_step_off.md).
+UPDATE_SHARE = 0.3
+FIXED_MICRO_BATCH_RATIO = re.compile(r"update time, fixed rows / token budget, paper spread: ([0-9.]+)x")
+"""RESULTS.md section 10's measured ratio (benchmarks/micro_batches.py)."""
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,12 @@ def main() -> None:
           f"{step_cost(big, 'colocated', recommended, high).share:.2%} at the high end, "
           f"{step_cost(big, 'colocated', recommended - 1, high).share:.2%} with one step less; "
           f"{step_cost(big, 'colocated', recommended, low).share:.2%} at the low end)")
+    fixed = float(FIXED_MICRO_BATCH_RATIO.search(RESULTS.read_text()).group(1))
+    extra = UPDATE_SHARE * (fixed - 1)
+    print(f"\nmicro-batches: the step compute above is verl's, which packs micro-batches by tokens "
+          f"(paper_32b: max_tokens_per_micro_batch). By a fixed row count the update ({UPDATE_SHARE:.0%} of a step) takes "
+          f"{fixed:.2f}x as long at the paper's length spread (measured, RESULTS.md section 10): "
+          f"+{extra:.0%} a step, +{extra * compute_s(big) / 60:.1f} min at 32B")
     print("\nsources")
     print("\n".join(sources(low, high, handoff)))
 

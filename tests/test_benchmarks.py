@@ -73,3 +73,14 @@ def test_task_names_in_the_breakdown():
     assert short_name(SimpleNamespace(name="tasks.rollout.verify_rewards")) == "verify_rewards"
     mapped = SimpleNamespace(name="map_verify_rewards_e670a7700d4c838d941453f16b9fe818-arraynode")
     assert short_name(mapped) == "map verify_rewards"
+
+
+def test_the_micro_batch_benchmark_draws_the_papers_length_spread_scaled_down():
+    from benchmarks import micro_batches
+
+    lengths = micro_batches.lengths("paper", 2000, model_dir="")
+    responses = sorted(r for _, r in lengths)
+    top = micro_batches.MAX_RESPONSE["paper"]
+    assert 0.07 < responses.count(top) / len(responses) < 0.13  # ~10% truncated at the maximum
+    assert responses[0] >= top / 200 - 1 and responses[len(responses) // 10] < top / 20  # a tail of short ones
+    assert all(16 <= p <= micro_batches.MAX_PROMPT["paper"] for p, _ in lengths)

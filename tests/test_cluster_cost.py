@@ -76,3 +76,8 @@ def test_unreachable_share_and_bad_arguments_are_refused():
         cc.step_cost(BIG, "colocated", 0, HIGH)
     with pytest.raises(ValueError, match="mode"):
         cc.step_cost(BIG, "actors", 1, HIGH)
+
+
+def test_the_fixed_micro_batch_ratio_it_prints_is_read_from_the_measured_results():
+    ratio = float(cc.FIXED_MICRO_BATCH_RATIO.search(cc.RESULTS.read_text()).group(1))
+    assert ratio > 1.0  # by fixed row counts the update computes padding: slower
