@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,40 @@ def chosen(option: str, allowed, what: str) -> list[str]:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS:"))
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(result: dict) -> None:
+    """A worker process's figures, as the line its parent reads (read_result)."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def read_result(stdout: str) -> dict | None:
+    """The figures a worker printed last (print_result), None if it printed none."""
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else None
+
+
+def run_worker(command: list[str], what: str, env: dict[str, str] | None = None, log: Path | None = None) -> dict:
+    """Run a benchmark's worker process (by default with child_env) and return its figures;
+    log, if given, gets its whole output. A failed worker ends the benchmark, naming `what`
+    and showing the end of its output."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env or child_env(), cwd=REPO)
+    if log is not None:
+        log.write_text(proc.stdout + "\n" + proc.stderr)
+    result = read_result(proc.stdout)
+    if proc.returncode != 0 or result is None:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+        raise SystemExit(f"{what} failed (exit {proc.returncode})" + (f"; full log: {log}" if log else ""))
+    return result
 
 
 def prepare_start(work: Path) -> None:

@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import REPO, child_env, prepare_start, run_dapo_loop
+from benchmarks.common import prepare_start, print_result, run_dapo_loop, run_worker
 
 LAST_STEP_RATIO = 2.5
 """The embedded default's bar: validation accuracy at the last step / at step 0, every seed."""
@@ -54,35 +54,25 @@ def worker(work: Path, steps: int, seed: int, val_every: int, overrides: dict) -
         "eval_seconds": eval_seconds,
         "train_acc": {int(h["step"]): h["train/acc"] for h in history if "train/acc" in h},
     }
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 def launch_all(work: Path, steps: int, seeds: list[int], val_every: int, overrides: dict, parallel: int) -> list[dict]:
     """One worker process per seed, at most `parallel` at a time; results in seed order."""
-    pending = list(seeds)
-    running: dict[int, tuple[subprocess.Popen, float]] = {}
-    results: dict[int, dict] = {}
-    while pending or running:
-        while pending and len(running) < parallel:
-            seed = pending.pop(0)
-            command = [sys.executable, __file__, "--worker", "--work", str(work), "--steps", str(steps), "--seeds", str(seed),
-                       "--val-every", str(val_every), "--overrides", json.dumps(overrides)]
-            log = open(work / f"seed{seed}.log", "w")
-            print(f"seed {seed}: dapo_loop, {steps} steps (log: {log.name}) ...", flush=True)
-            running[seed] = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=child_env(), cwd=REPO),
-                             time.perf_counter())
-        time.sleep(1.0)
-        for seed, (proc, started) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            del running[seed]
-            lines = [line for line in proc.stdout.read().splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); log: {work / f'seed{seed}.log'}")
-            results[seed] = json.loads(lines[-1][len("RESULT "):])
-            results[seed]["wall_seconds"] = time.perf_counter() - started
-            print(f"  seed {seed} done in {results[seed]['wall_seconds']:.0f} s", flush=True)
-    return [results[seed] for seed in seeds]
+
+    def launch(seed: int) -> dict:
+        command = [sys.executable, __file__, "--worker", "--work", str(work), "--steps", str(steps), "--seeds", str(seed),
+                   "--val-every", str(val_every), "--overrides", json.dumps(overrides)]
+        log = work / f"seed{seed}.log"
+        print(f"seed {seed}: dapo_loop, {steps} steps (log: {log}) ...", flush=True)
+        started = time.perf_counter()
+        result = run_worker(command, f"seed {seed}", log=log)
+        result["wall_seconds"] = time.perf_counter() - started
+        print(f"  seed {seed} done in {result['wall_seconds']:.0f} s", flush=True)
+        return result
+
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(launch, seeds))
 
 
 def report(results: list[dict]) -> dict:

@@ -23,18 +23,15 @@ RSS growth over the trainer's start.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.common import child_env, chosen, peak_rss_mib
+from benchmarks.common import chosen, peak_rss_mib, print_result, rss_mib, run_worker
 
 PLANS = ("fixed", "budget", "packed")
 SPREADS = ("paper", "long_task")
@@ -81,11 +78,6 @@ def scored_batch(spread: str, prompts: int, samples: int, model_dir: str):
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS:"))
-
-
 def worker(args) -> None:
     import torch
 
@@ -119,11 +111,11 @@ def worker(args) -> None:
         metrics = policy_update(trainer, table, config, step=step, temperature=1.0)
         times.append(time.perf_counter() - started)
     trainer.close()
-    print("RESULT " + json.dumps({
+    print_result({
         "step_s": statistics.median(times), "computed_tokens": tokens_per_step, "widest_forward": max(computed),
         "real_tokens": 2 * row_tokens,  # the log-prob pass and one epoch
         "rss_growth_mib": peak_rss_mib() - before, "grad_norm": metrics["grad_norm"],
-    }), flush=True)
+    })
 
 
 def main() -> None:
@@ -160,12 +152,7 @@ def main() -> None:
                     command = [sys.executable, "-m", "benchmarks.micro_batches", "--worker", spread, plan, "--model-dir", model_dir,
                                "--prompts", str(args.prompts), "--samples", str(args.samples), "--mini-batch", str(args.mini_batch),
                                "--micro-batch", str(args.micro_batch), "--repeats", str(args.repeats)]
-                    proc = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=Path(__file__).parents[1])
-                    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                    if proc.returncode != 0 or not lines:
-                        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-                        raise SystemExit(f"{spread}/{plan} worker failed (exit {proc.returncode})")
-                    result = json.loads(lines[-1][len("RESULT "):])
+                    result = run_worker(command, f"the {spread}/{plan} worker")
                     if plan not in best or result["step_s"] < best[plan]["step_s"]:
                         best[plan] = result
             report(spread, best, args)

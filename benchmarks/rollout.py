@@ -24,13 +24,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import child_env, print_result, run_worker
 
 
 def make_prompts(model_dir: str, count: int, seed: int) -> list[str]:
@@ -86,15 +85,10 @@ def spawn_backend(backend: str, args) -> dict:
     command = [sys.executable, __file__, "--worker", backend, "--model-dir", args.model_dir]
     for name in ("prompts", "n", "max_tokens", "temperature", "top_p", "seed", "dtype", "max_model_len"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = child_env()
     if args.threads:  # torch and vLLM both take their intra-op thread count from it
         env["OMP_NUM_THREADS"] = str(args.threads)
-    completed = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
-        sys.stderr.write(completed.stderr[-4000:])
-        raise SystemExit(f"the {backend} benchmark failed (exit {completed.returncode})")
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_worker(command, f"the {backend} benchmark", env=env)
 
 
 def print_table(results: list[dict], args) -> None:
@@ -143,12 +137,11 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:
-        print("RESULT " + json.dumps(run_backend(args)), flush=True)
+        print_result(run_backend(args))
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model_dir:
-            sys.path.insert(0, str(REPO_ROOT))
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
             args.model_dir = str(Path(tmp) / "policy")

@@ -14,18 +14,16 @@ save time, peak RSS of the process and its growth over the post-import baseline
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import print_result, rss_mib, run_worker
 
 
 def scored_batch(prompts: int, samples: int, seed: int = 0):
@@ -47,14 +45,6 @@ def scored_batch(prompts: int, samples: int, seed: int = 0):
                 reward=reward, acc=float(reward > 0), correctness=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
             ))
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def worker(args) -> None:
@@ -93,7 +83,7 @@ def worker(args) -> None:
         save_s = time.perf_counter() - started
     trainer.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps({
+    print_result({
         "backend": args.backend,
         "start_s": start_s,
         "step_s_median": statistics.median(times),
@@ -106,7 +96,7 @@ def worker(args) -> None:
         "updates_per_step": metrics["num_updates"],
         "tokens": metrics["tokens"],
         "grad_norm_last": metrics["grad_norm"],
-    }), flush=True)
+    })
 
 
 def main() -> None:
@@ -140,13 +130,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--worker", backend, "--model-dir", model_dir,
                        "--repeats", str(args.repeats), "--prompts", str(args.prompts), "--samples", str(args.samples),
                        "--mini-batch", str(args.mini_batch), "--micro-batch", str(args.micro_batch), "--threads", str(args.threads)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-            proc = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
-                raise SystemExit(f"{backend} worker failed (exit {proc.returncode})")
-            result = json.loads(lines[-1][len("RESULT "):])
+            result = run_worker(command, f"the {backend} worker")
             print(f"  {backend}: step median {result['step_s_median']:.3f} s, peak RSS {result['peak_rss_mib']:.0f} MiB", flush=True)
             best = results.get(backend)
             if best is None or result["step_s_median"] < best["step_s_median"]:

@@ -40,13 +40,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, child_env, chosen, peak_rss_mib, prepare_start, run_dapo_loop
+from benchmarks.common import chosen, peak_rss_mib, prepare_start, print_result, run_dapo_loop, run_worker
 RUNS = ("ours", "ours-colocated", "ours-nods", "trl")
 CURVE_EVERY = 10
 """Steps between the validations of the accuracy curve: dapo_loop's chunk length, since a
@@ -209,21 +208,14 @@ def worker(name: str, work: Path, steps: int, seed: int) -> None:
     else:
         result = run_ours(work, steps, seed, name)
     result["peak_rss_mib"] = peak_rss_mib()
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 def launch(name: str, work: Path, steps: int, seed: int) -> dict:
     command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--steps", str(steps), "--seeds", str(seed)]
     print(f"running {name}, seed {seed} ({steps} steps) ...", flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=child_env(), cwd=REPO)
-    log = work / f"{name}-seed{seed}.log"
-    log.write_text(proc.stdout + "\n" + proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        print(proc.stderr[-4000:])
-        raise SystemExit(f"{name} failed (exit {proc.returncode}); full log: {log}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_worker(command, name, log=work / f"{name}-seed{seed}.log")
     result["seed"] = seed
     print(f"  {time.perf_counter() - started:.0f} s in all, {result['train_seconds'] / steps:.2f} s/step", flush=True)
     return result

@@ -84,3 +84,18 @@ def test_the_micro_batch_benchmark_draws_the_papers_length_spread_scaled_down():
     assert 0.07 < responses.count(top) / len(responses) < 0.13  # ~10% truncated at the maximum
     assert responses[0] >= top / 200 - 1 and responses[len(responses) // 10] < top / 20  # a tail of short ones
     assert all(16 <= p <= micro_batches.MAX_PROMPT["paper"] for p, _ in lengths)
+
+
+def test_a_benchmark_worker_hands_its_figures_to_its_parent_or_its_failure_names_it(tmp_path):
+    import sys
+
+    from benchmarks.common import run_worker
+
+    figures = run_worker([sys.executable, "-c", "from benchmarks.common import print_result; print('noise'); "
+                          "print_result({'step_s': 1.5}); print_result({'step_s': 2.5})"], "the worker", log=tmp_path / "w.log")
+    assert figures == {"step_s": 2.5}  # the last figures printed
+    assert "noise" in (tmp_path / "w.log").read_text()
+    with pytest.raises(SystemExit, match="the broken worker failed \\(exit 3\\)"):
+        run_worker([sys.executable, "-c", "import sys; sys.exit(3)"], "the broken worker")
+    with pytest.raises(SystemExit, match="the silent worker failed \\(exit 0\\)"):
+        run_worker([sys.executable, "-c", "print('no figures')"], "the silent worker")
