@@ -22,7 +22,7 @@ TRAINER_BACKENDS = ("deepspeed", "torch")
 SHORT_BATCH_POLICIES = ("train", "skip")
 BAD_ROW_POLICIES = ("error", "skip")
 EXECUTION_MODES = ("per_stage", "colocated")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "sdpa_varlen")
 EMBEDDED_TASKS = ("arithmetic", "long_arithmetic")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -154,10 +154,9 @@ class DAPOConfig:
     max_prompt_length + max_response_length, so that any row fits."""
     remove_padding: bool = False
     """Pack each micro-batch's rows into one sequence (positions restarting per row), so no
-    compute goes to padding. For GPUs with attn_implementation="flash_attention_2" (varlen
-    attention); under sdpa (the default) a block-diagonal mask makes attention cost the
-    packed length squared: on this CPU 2.2x slower than the length-sorted padded
-    micro-batches at the paper's spread (benchmarks/RESULTS.md section 10)."""
+    compute goes to padding. With a varlen attn_implementation ("sdpa_varlen", or flash
+    attention on GPUs); under plain sdpa a block-diagonal mask makes attention cost the
+    packed length squared (benchmarks/RESULTS.md section 10 measures both)."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient before the run stops."""
 
@@ -173,9 +172,10 @@ class DAPOConfig:
     """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
     attn_implementation: str = "sdpa"
     """The trainer's attention kernel (transformers' attn_implementation; ATTN_IMPLEMENTATIONS).
-    "flash_attention_2"/"_3" need the flash-attn package on GPUs (not in our images); with
-    remove_padding they attend within each packed row only (varlen), where sdpa and eager
-    mask a packed micro-batch's whole length."""
+    With remove_padding, "sdpa_varlen" (ours, dapo.varlen_attention: sdpa on each packed row,
+    any device; packed micro-batches only) and "flash_attention_2"/"_3" (the flash-attn
+    package on GPUs, not in our images) attend within each packed row at its own length's
+    cost, where sdpa and eager mask a packed micro-batch's whole length."""
     max_rollout_logprob_gap: float | None = None
     """The rollout guard: the most the mean |rollout - trainer| log-prob per response token
     (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
@@ -315,6 +315,8 @@ class DAPOConfig:
         need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
         need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
         need(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation", f"must be one of {ATTN_IMPLEMENTATIONS}")
+        need(self.attn_implementation != "sdpa_varlen" or self.remove_padding, "attn_implementation",
+             "sdpa_varlen attends packed sequences only: set remove_padding=True")
         need(
             self.max_rollout_logprob_gap is None or self.max_rollout_logprob_gap > 0,
             "max_rollout_logprob_gap",

@@ -122,6 +122,26 @@ def test_packed_log_probs_and_entropy_equal_the_padded_ones(policy_dir):
     assert pack(batch).input_ids.shape[1] == int(batch.attention_mask.sum())  # not a padding token computed
 
 
+def test_varlen_attention_gives_the_padded_log_probs_at_each_rows_own_cost(policy_dir):
+    table = mixed_table(groups=3)
+    batch = collate_table(table, pad_token_id=0)
+    padded_trainer = make_trainer(budget_config(), policy_dir)
+    varlen_trainer = make_trainer(budget_config(remove_padding=True, attn_implementation="sdpa_varlen"), policy_dir)
+    try:
+        with torch.no_grad():
+            padded, _ = response_log_probs(padded_trainer.model, batch, temperature=0.7)
+            varlen, _ = varlen_trainer.forward(batch, temperature=0.7)
+        with pytest.raises(ValueError, match="sdpa_varlen attends packed sequences only"):
+            response_log_probs(varlen_trainer.model, batch)  # a padded batch would be read unmasked
+    finally:
+        padded_trainer.close()
+        varlen_trainer.close()
+    mask = batch.response_mask.bool()
+    assert (varlen[mask] - padded[mask]).abs().max().item() < 1e-5
+    with pytest.raises(ConfigError, match="set remove_padding=True"):
+        budget_config(attn_implementation="sdpa_varlen")
+
+
 def test_a_row_without_prompt_tokens_cannot_be_packed():
     batch = collate([[]], [[5, 6]], pad_token_id=0)
     with pytest.raises(ValueError, match="row 0 has an empty prompt"):
@@ -133,6 +153,7 @@ SPLITS = {
     "rows": dict(micro_batch_size=3),  # 16 responses -> 6 uneven micro-batches
     "budget": dict(max_tokens_per_micro_batch=BUDGET),
     "packed": dict(max_tokens_per_micro_batch=BUDGET, remove_padding=True),
+    "packed-varlen": dict(max_tokens_per_micro_batch=BUDGET, remove_padding=True, attn_implementation="sdpa_varlen"),
 }
 
 
@@ -142,12 +163,15 @@ def test_micro_batches_accumulate_to_the_whole_mini_batch_gradient(policy_dir, a
     # Truncated rows masked out make some micro-batches token-poor: the weighting must still be exact.
     table = mixed_table(groups=4)
     whole = budget_config(loss_agg_mode=agg, overlong_filtering=True)
-    trainer = make_trainer(whole, policy_dir)
-    try:
-        result_whole, grads_whole = accumulate(trainer, table, whole)
-        result_split, grads_split = accumulate(trainer, table, whole.replace(**SPLITS[split]))
-    finally:
-        trainer.close()
+    split_config = whole.replace(**SPLITS[split])
+    results = []
+    for config in (whole, split_config):  # each its own trainer: the attention kernel is chosen at load
+        trainer = make_trainer(config, policy_dir)
+        try:
+            results.append(accumulate(trainer, table, config))
+        finally:
+            trainer.close()
+    (result_whole, grads_whole), (result_split, grads_split) = results
     assert max(g.abs().max().item() for g in grads_whole.values()) > 1e-4  # a real gradient
     assert max_diff(grads_whole, grads_split) < 1e-5
     for key in ("pg_loss", "clipfrac", "approx_kl", "ratio_mean"):

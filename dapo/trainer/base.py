@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dapo import checkpoint
+from dapo import checkpoint, varlen_attention
 from dapo.batch import PolicyBatch, pack, packed_response_log_probs, response_log_probs, trim_batch
 from dapo.config import DAPOConfig
 from dapo.micro_batches import plan_micro_batches
@@ -96,6 +96,7 @@ class PolicyTrainer(ABC):
     backend_name = "abstract"
 
     def __init__(self, config: DAPOConfig, model_dir: str | Path):
+        varlen_attention.register()  # before a subclass loads the model with config.attn_implementation
         self.config = config
         self.model_dir = str(model_dir)
         self.rank = 0
