@@ -1,5 +1,6 @@
 """Policy-update cost by micro-batch plan: fixed row count (padded) vs a token budget
-(length-sorted, padded) vs a token budget packed (remove_padding), on batches of mixed lengths.
+(length-sorted, padded) vs a token budget packed (remove_padding) under sdpa's mask and
+under our varlen sdpa (dapo.varlen_attention), on batches of mixed lengths.
 
 Two length spreads:
 - paper: the DAPO paper's, scaled to this machine by 1/20: responses up to 1,024 tokens
@@ -33,7 +34,7 @@ import time
 
 from benchmarks.common import chosen, peak_rss_mib, print_result, rss_mib, run_worker
 
-PLANS = ("fixed", "budget", "packed")
+PLANS = ("fixed", "budget", "packed", "varlen")
 SPREADS = ("paper", "long_task")
 MAX_RESPONSE = {"paper": 1024, "long_task": 256}
 MAX_PROMPT = {"paper": 96, "long_task": 128}
@@ -94,7 +95,7 @@ def worker(args) -> None:
         overlong_buffer_len=MAX_RESPONSE[spread] // 4, max_rollout_logprob_gap=math.inf,
         micro_batch_size=args.micro_batch if plan == "fixed" else 0,
         max_tokens_per_micro_batch=0 if plan == "fixed" else args.micro_batch * longest,
-        remove_padding=plan == "packed",
+        remove_padding=plan in ("packed", "varlen"), attn_implementation="sdpa_varlen" if plan == "varlen" else "sdpa",
     )
     table = scored_batch(spread, args.prompts, args.samples, args.model_dir)
     row_tokens = sum(len(p) + len(r) for p, r in zip(table.column("prompt_token_ids").to_pylist(),
