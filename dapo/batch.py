@@ -55,6 +55,10 @@ class PolicyBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def row_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt tokens, response tokens) of each row, padding excluded."""
+        return self.attention_mask[:, : self.prompt_length].sum(dim=-1), self.response_mask.sum(dim=-1)
+
     def select(self, index: torch.Tensor | slice) -> "PolicyBatch":
         return PolicyBatch(
             input_ids=self.input_ids[index],
@@ -178,9 +182,8 @@ def pack(batch: PolicyBatch) -> PackedBatch:
     ids, positions, logit_positions, slots = [], [], [], []
     width = batch.responses.shape[1]
     offset = 0
-    for row in range(len(batch)):
-        prompt = int(batch.attention_mask[row, : batch.prompt_length].sum())
-        response = int(batch.response_mask[row].sum())
+    prompts, responses = (lengths.tolist() for lengths in batch.row_lengths())
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
         if prompt == 0:
             raise ValueError(f"row {row} has an empty prompt: no position predicts its first response token")
         start = batch.prompt_length - prompt

@@ -25,12 +25,6 @@ import torch
 from dapo.batch import PolicyBatch
 
 
-def row_lengths(batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt tokens, response tokens) of each row, padding excluded."""
-    prompt = batch.attention_mask[:, : batch.prompt_length].sum(dim=-1)
-    return prompt, batch.response_mask.sum(dim=-1)
-
-
 def micro_batch_cost(prompt_lengths: list[int], response_lengths: list[int], packed: bool) -> int:
     """Tokens one forward pass over these rows computes: rows x (longest prompt + longest
     response) padded, the rows' own tokens packed."""
@@ -90,7 +84,7 @@ def plan_micro_batches(
     from the same table; a rank with fewer micro-batches than the most must run fillers so
     that all ranks run the same collectives.
     """
-    prompt, response = row_lengths(batch)
+    prompt, response = batch.row_lengths()
     if max_tokens > 0:
         micro = by_token_budget(rows, prompt, response, max_tokens, packed)
     else:
