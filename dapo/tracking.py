@@ -39,23 +39,56 @@ CHAMPION_ALIAS = "champion"
 PERMANENT_ERROR_CODES = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST", "INVALID_STATE"}
 MANAGED_TAG = "dapo.managed"
 FAST_FAIL_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+LARGE_UPLOAD_ENV = {
+    "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD": "true",
+    "MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE": str(64 * 2**20),
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "600",
+}
+"""A model version's upload. Files from MLflow's minimum multipart size (500 MB) up go by
+MLflow's proxied multipart upload: the server only opens and completes the upload (small
+JSON calls), the parts go from this process straight to the artifact store by presigned
+URLs, so no weight file passes through the server's disk or its request timeout (64 MiB
+parts: a 4 GB shard is 60 of them; the uploading threads each hold one part in memory).
+The server's calls get retries and a timeout that a large object's completion fits in."""
+
+_ours: dict[str, str] = {}
+"""The MLflow variables our scopes have set, with the value they set: anything else in the
+environment is the user's and is never overridden."""
 
 
 @contextmanager
-def fast_fail():
-    """MLflow calls inside (a with block, a decorated function) fail within seconds when the
-    server is down: the default client retries for minutes per call, which would stall the
-    training loop that waits on them.
-
-    MLflow's client has no setting for this but these variables, which it reads at each
-    request: they are set for the calls inside only, never over the user's own."""
-    added = {key: value for key, value in FAST_FAIL_ENV.items() if key not in os.environ}
-    os.environ.update(added)
+def _mlflow_env(values: dict[str, str]):
+    """Set MLflow's client variables for the calls inside (MLflow reads them at each
+    request), except those the user set; nested scopes override outer ones and restore them."""
+    previous = {}
+    for key, value in values.items():
+        if key in os.environ and _ours.get(key) != os.environ[key]:
+            continue  # the user's
+        previous[key] = os.environ.get(key)
+        os.environ[key] = _ours[key] = value
     try:
         yield
     finally:
-        for key in added:
-            os.environ.pop(key, None)
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+                _ours.pop(key, None)
+            else:
+                os.environ[key] = _ours[key] = value
+
+
+def fast_fail():
+    """MLflow calls inside (a with block, a decorated function) fail within seconds when the
+    server is down: the default client retries for minutes per call, which would stall the
+    training loop that waits on them. Never over the user's own settings."""
+    return _mlflow_env(FAST_FAIL_ENV)
+
+
+def large_uploads():
+    """MLflow calls inside upload files of any size without the server holding them
+    (LARGE_UPLOAD_ENV); never over the user's own settings."""
+    return _mlflow_env(LARGE_UPLOAD_ENV)
 
 
 class RegistryNameClash(RuntimeError):
@@ -127,7 +160,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.target = target
-        self.materialize = materialize or (lambda uri: uri)
+        self.materialize = materialize
         self.client = MlflowClient(tracking_uri=target.tracking_uri, registry_uri=target.tracking_uri)
         self._run_id: str | None = None
         self._logged_steps: dict[str, set[int]] = {}
@@ -222,8 +255,9 @@ class Tracker:
         for version in self.client.search_model_versions(f"name = '{name}'"):
             if version.run_id == self.run_id and version.tags.get("step") == str(record["step"]):
                 return version.version  # already registered by an earlier, interrupted delivery
-        for path in servable_files(self.materialize(record["checkpoint_uri"])):
-            self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+        with large_uploads():
+            for path in servable_files(self.materialize(record["checkpoint_uri"])):
+                self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
         description = f"step {record['step']} of Flyte execution {record.get('execution', '?')}; checkpoint {record['checkpoint_uri']}"
         version = self.client.create_model_version(
@@ -320,17 +354,26 @@ def deliver(
     records: list[dict],
     materialize: Callable[[str], str] | None = None,
 ) -> list[dict]:
-    """Send records in order; return those not sent (from the first failure on).
+    """Send records in order; return those not sent, in their order.
 
-    Order is kept so a later step's metrics never overtake an earlier one's. A record
-    the server refuses for good (a registry name clash, an invalid value) is logged as
-    an error and dropped instead of blocking the queue forever.
+    Order is kept so a later step's metrics never overtake an earlier one's. Registrations
+    (whose checkpoints must be materialized: each a model version's weights) keep their own
+    order but never hold up the rest: with no materialize (a task without disk for the
+    weights) they are not attempted and are returned, and one that fails is returned while
+    the records after it go on. A record the server refuses for good (a registry name
+    clash, an invalid value) is logged as an error and dropped instead of blocking the
+    queue forever; any other failure of a non-registration keeps it and everything after it.
     """
     if not records:
         return []
+    left: list[dict] = []
     try:
         tracker = Tracker(target, materialize)
         for index, record in enumerate(records):
+            registering = record["kind"] == "register"
+            if registering and (materialize is None or any(r["kind"] == "register" for r in left)):
+                left.append(record)
+                continue
             try:
                 tracker.send(record)
             except Exception as error:  # any transport or server error: keep it for later
@@ -338,14 +381,17 @@ def deliver(
                     logger.error("MLflow refused a %s record: %s", record["kind"], error)
                     continue
                 logger.warning(
-                    "MLflow at %s unavailable (%s: %s); %d record(s) kept for a later delivery",
-                    target.tracking_uri, type(error).__name__, str(error)[:200], len(records) - index,
+                    "MLflow at %s unavailable for a %s record (%s: %s); kept for a later delivery",
+                    target.tracking_uri, record["kind"], type(error).__name__, str(error)[:200],
                 )
-                return records[index:]
+                if registering:
+                    left.append(record)
+                    continue
+                return left + records[index:]
     except Exception as error:
         logger.warning("MLflow at %s unavailable (%s); %d record(s) kept for a later delivery", target.tracking_uri, error, len(records))
         return list(records)
-    return []
+    return left
 
 
 def spill(records: list[dict], path: str | Path) -> None:

@@ -97,9 +97,13 @@ def read_outbox(state: LoopState) -> list[dict]:
     return [json.loads(line) for line in fs.cat_file(state.outbox).decode().splitlines() if line]
 
 
-def deliver(state: LoopState, target_json: str, records: list[dict]) -> None:
-    """Send the outbox's records and then these; what is left goes into a new outbox file."""
-    left = tracking.deliver(run_target(target_json), read_outbox(state) + records, materialize=_materialize)
+def deliver(state: LoopState, target_json: str, records: list[dict], registers: bool = False) -> None:
+    """Send the outbox's records and then these; what is left goes into a new outbox file.
+
+    registers: this task's pod has disk for a model version's weights (register_model's),
+    so registrations are sent; elsewhere they wait in the outbox, behind nothing and
+    holding nothing up, for the next register_model."""
+    left = tracking.deliver(run_target(target_json), read_outbox(state) + records, materialize=_materialize if registers else None)
     state.outbox = ""
     if left:
         lines = "".join(json.dumps(record) + "\n" for record in left).encode()
@@ -179,7 +183,7 @@ def register_model(
         tracking.table_record(f"samples/step_{step:06d}.json", samples.to_pylist()),
         tracking.register_record(model_name, uri, step, eval_metrics.get("val/acc", 0.0), execution=execution_name()),
     ]
-    deliver(state, target_json, records)
+    deliver(state, target_json, records, registers=True)
     target = run_target(target_json)
     try:
         with tracking.fast_fail():

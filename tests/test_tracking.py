@@ -1,7 +1,7 @@
 """MLflow tracking: runs, metrics, registry aliases, and a server that goes away."""
 
+import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo import tracking
+from servers import BUCKET, free_port, s3_client, start_mlflow, stop
 from dapo.tracking import RunTarget, artifact_record, deliver, metrics_record, params_record, register_record, table_record
 
 
@@ -43,7 +44,7 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
     (tmp_path / "curves.png").write_bytes(b"png")
     records.append(artifact_record(tmp_path / "curves.png", "plots"))
     records += [register_record("tiny-policy", tiny_checkpoint, step, acc) for step, acc in [(0, 0.2), (5, 0.5), (10, 0.4)]]
-    assert deliver(target, records) == []
+    assert deliver(target, records, materialize=str) == []
 
     client = client_for(target)
     run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
@@ -56,7 +57,7 @@ def test_run_params_metrics_table_and_champion(tmp_path, tiny_checkpoint, monkey
 
     # the same run key finds the same run (a resumed execution), and re-delivering a
     # registration that already landed does not make a second version
-    assert deliver(target, [register_record("tiny-policy", tiny_checkpoint, 10, 0.4)]) == []
+    assert deliver(target, [register_record("tiny-policy", tiny_checkpoint, 10, 0.4)], materialize=str) == []
     assert len(client.search_model_versions("name = 'tiny-policy'")) == 3
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
@@ -110,40 +111,127 @@ def test_registry_name_clash_is_refused_not_retried(tmp_path, tiny_checkpoint, m
     monkeypatch.chdir(tmp_path)
     target = sqlite_target(tmp_path)
     client_for(target).create_registered_model("someone-elses-model")
-    left = deliver(target, [register_record("someone-elses-model", tiny_checkpoint, 1, 0.5), metrics_record(1, {"acc": 0.5})])
+    left = deliver(target, [register_record("someone-elses-model", tiny_checkpoint, 1, 0.5), metrics_record(1, {"acc": 0.5})],
+                   materialize=str)
     assert left == []  # the clash does not block the metrics behind it
     refusals = [r for r in caplog.records if r.levelname == "ERROR" and "MLflow refused a register record" in r.getMessage()]
     assert len(refusals) == 1 and "someone-elses-model" in refusals[0].getMessage()
     assert client_for(target).search_model_versions("name = 'someone-elses-model'") == []
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_registrations_wait_for_a_task_that_can_hold_weights_and_never_hold_up_metrics(tmp_path, tiny_checkpoint, monkeypatch):
+    """log_step's pod has no disk for a model version: its delivery sends the metrics
+    around the registrations waiting in the outbox, and register_model's sends them."""
+    monkeypatch.chdir(tmp_path)
+    target = sqlite_target(tmp_path)
+    waiting = [register_record("tiny-policy", tiny_checkpoint, 0, 0.2), register_record("tiny-policy", tiny_checkpoint, 5, 0.5)]
+    left = deliver(target, [waiting[0], metrics_record(1, {"acc": 0.1}), waiting[1], metrics_record(2, {"acc": 0.2})])
+    assert left == waiting
+    client = client_for(target)
+    run_id = tracking.Tracker(target).run_id
+    assert [m.step for m in client.get_metric_history(run_id, "acc")] == [1, 2]
+    assert client.search_registered_models() == []
+    assert deliver(target, left, materialize=str) == []
+    assert sorted(v.tags["step"] for v in client.search_model_versions("name = 'tiny-policy'")) == ["0", "5"]
 
 
-def start_server(store: Path, port: int) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{store / 'server.db'}", "--artifacts-destination", str(store / "artifacts"),
-         "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return process
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("mlflow server did not start")
+def test_a_registration_that_fails_is_kept_in_order_and_the_metrics_behind_it_go_on(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    target = sqlite_target(tmp_path)
+    calls = []
+
+    def flaky(uri: str) -> str:  # the checkpoint's download fails once
+        calls.append(uri)
+        if len(calls) == 1:
+            raise OSError("connection reset while downloading the checkpoint")
+        return uri
+
+    first, second = register_record("tiny-policy", tiny_checkpoint, 5, 0.5), register_record("tiny-policy", tiny_checkpoint, 10, 0.4)
+    left = deliver(target, [first, metrics_record(6, {"acc": 0.6}), second, metrics_record(7, {"acc": 0.7})], materialize=flaky)
+    assert left == [first, second] and len(calls) == 1  # the second waits behind the first: versions keep their order
+    client = client_for(target)
+    assert [m.step for m in client.get_metric_history(tracking.Tracker(target).run_id, "acc")] == [6, 7]
+    assert deliver(target, left, materialize=flaky) == []
+    assert sorted(int(v.version) for v in client.search_model_versions("name = 'tiny-policy'")) == [1, 2]
+    assert client.get_model_version_by_alias("tiny-policy", "newest").tags["step"] == "10"
 
 
-def stop_server(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, 9)
-    process.wait(timeout=30)
+def test_large_upload_settings_override_fast_fail_inside_and_never_the_users(monkeypatch):
+    for key in {**tracking.FAST_FAIL_ENV, **tracking.LARGE_UPLOAD_ENV}:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE", str(8 * 2**20))  # the user's
+    with tracking.fast_fail():
+        with tracking.large_uploads():
+            assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "600"
+            assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
+            assert os.environ["MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD"] == "true"
+            assert os.environ["MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE"] == str(8 * 2**20)
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+        assert "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD" not in os.environ
+    assert not [key for key in {**tracking.FAST_FAIL_ENV, **tracking.LARGE_UPLOAD_ENV} if key in os.environ and
+                key != "MLFLOW_MULTIPART_UPLOAD_CHUNK_SIZE"]
+
+
+WEIGHT_FILE_BYTES = 2 * 2**30 + 96 * 2**20
+"""A weight shard past 2 GiB (a 32B model's are ~4 GB), sparse on the test's disk: what is
+tested is the route its bytes take, which is the same for zeros."""
+SERVER_FILE_LIMIT = 256 * 2**20
+UPLOADER_FILE_LIMIT = 64 * 2**20
+REGISTER = """
+import json, resource, sys
+from dapo import tracking
+limit = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # the uploader may stage no copy of the weights
+target = tracking.RunTarget(sys.argv[1], "dapo-test", "large", "exec")
+left = tracking.deliver(target, [tracking.register_record("large-policy", sys.argv[2], 0, 0.1), tracking.metrics_record(1, {"acc": 0.5})],
+                        materialize=str)
+print(json.dumps([record["kind"] for record in left]))
+"""
+
+
+def register_in_a_pod(tracking_uri: str, checkpoint: Path, **env: str) -> list[str]:
+    """Deliver a registration and a metric from a process of its own (a register_model pod):
+    the kinds of the records left undelivered."""
+    environment = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **env}
+    result = subprocess.run([sys.executable, "-c", REGISTER, tracking_uri, str(checkpoint), str(UPLOADER_FILE_LIMIT)],
+                            capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_model_version_larger_than_the_servers_temp_space_registers_straight_into_the_store(tmp_path, s3, tiny_checkpoint):
+    """A real `mlflow server --serve-artifacts` with its artifacts in S3, which may write no
+    file over 256 MiB (a pod's small /tmp), and a checkpoint with a 2.1 GiB weight file
+    registered from a process that may write no file over 64 MiB: the weights go to S3 by
+    multipart upload and the version holds them whole. The same upload through the server
+    (multipart turned off by the user) fails there and is kept, and the metric behind it
+    is logged all the same."""
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    with (checkpoint / "model-00002-of-00002.safetensors").open("wb") as shard:
+        shard.truncate(WEIGHT_FILE_BYTES)
+    server, uri = start_mlflow(tmp_path, artifacts=f"s3://{BUCKET}/mlflow", s3_endpoint=s3, file_limit_bytes=SERVER_FILE_LIMIT)
+    try:
+        through_server = register_in_a_pod(uri, checkpoint, MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD="false",
+                                           MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+        assert through_server == ["register"]  # the server could not hold the file: kept for a later delivery
+        assert register_in_a_pod(uri, checkpoint) == []
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(uri, registry_uri=uri)
+        version = client.get_model_version_by_alias("large-policy", "newest")
+        assert version.source.endswith(f"/{version.run_id}/artifacts/checkpoints/step_000000")  # mlflow-artifacts:/...
+        objects = s3_client(s3).list_objects_v2(Bucket=BUCKET, Prefix="mlflow/")["Contents"]
+        sizes = {item["Key"].rsplit("/", 1)[1]: item["Size"] for item in objects if "/checkpoints/step_000000/" in item["Key"]}
+        assert sizes["model-00002-of-00002.safetensors"] == WEIGHT_FILE_BYTES
+        assert sizes["model.safetensors"] == (checkpoint / "model.safetensors").stat().st_size
+        run_id = client.get_run(version.run_id).info.run_id
+        assert [m.step for m in client.get_metric_history(run_id, "acc")] == [1]
+    finally:
+        stop(server)
 
 
 @pytest.mark.slow
@@ -152,15 +240,15 @@ def test_server_down_at_start_and_mid_run_loses_nothing(tmp_path):
     target = RunTarget(f"http://127.0.0.1:{port}", "dapo-test", "k", "exec")
     pending = deliver(target, [params_record({"lr": 1e-6}), metrics_record(0, {"acc": 0.0})])  # down at start
     assert len(pending) == 2
-    server = start_server(tmp_path, port)
+    server, _ = start_mlflow(tmp_path, port)
     try:
         pending = deliver(target, pending + [metrics_record(1, {"acc": 0.1})])
         assert pending == []
-        stop_server(server)  # goes down mid-run
+        stop(server)  # goes down mid-run
         for step in (2, 3):
             pending = deliver(target, pending + [metrics_record(step, {"acc": step / 10})])
         assert [r["step"] for r in pending] == [2, 3]
-        server = start_server(tmp_path, port)
+        server, _ = start_mlflow(tmp_path, port)
         assert deliver(target, pending + [metrics_record(4, {"acc": 0.4})]) == []
         client = client_for(target)
         run = client.search_runs([client.get_experiment_by_name("dapo-test").experiment_id])[0]
@@ -168,8 +256,7 @@ def test_server_down_at_start_and_mid_run_loses_nothing(tmp_path):
         assert sorted((m.step, m.value) for m in history) == [(s, s / 10) for s in range(5)]
         assert run.data.params["lr"] == "1e-06"
     finally:
-        if server.poll() is None:
-            stop_server(server)
+        stop(server)
 
 
 def test_default_tracking_uri(monkeypatch, tmp_path):

@@ -9,15 +9,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from machine_caches import machine_caches
+from servers import BUCKET, s3_client
 
 REPO = Path(__file__).resolve().parent.parent
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
@@ -26,7 +25,6 @@ SMALL = {
     "embedded_layout_noise": 0.6, "embedded_warm_start_steps": 120, "train_prompt_bsz": 4, "gen_prompt_bsz": 8, "ppo_mini_batch_size": 2,
     "max_num_gen_batches": 2, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 16,
 }
-BUCKET = "dapo"
 LOCAL_CACHE = ".flyte/local-cache"  # flytekit's local cache, under HOME
 SETUP_TASKS = ("tasks.data.resolve_config-", "tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")
 
@@ -56,12 +54,6 @@ def pyflyte_run(home: Path, s3: str, *args: str, crash_at: str = "", seed: int =
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True)
 
 
-def s3_client(endpoint: str):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
-
-
 def keys(endpoint: str, prefix: str) -> list[str]:
     pages = s3_client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
     return [item["Key"] for page in pages for item in page.get("Contents", [])]
@@ -69,32 +61,6 @@ def keys(endpoint: str, prefix: str) -> list[str]:
 
 def step_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("step ")]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto's S3 server in a process of its own (in this one its Flask app would leave
-    context-bound proxies in sys.modules, which vLLM's kernel registry trips over)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = (tmp_path_factory.mktemp("moto") / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                s3_client(endpoint).create_bucket(Bucket=BUCKET)
-                break
-            except Exception:  # not listening yet
-                time.sleep(0.2)
-        else:
-            raise RuntimeError(f"moto's S3 server did not start on {endpoint}")
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
 
 
 def new_home(tmp_path_factory, setup_from: Path | None = None) -> Path:

@@ -1,0 +1,15 @@
+"""Fixtures shared by test modules."""
+
+import pytest
+
+from servers import start_s3, stop
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The endpoint of an S3 server on loopback (moto) with the bucket servers.BUCKET."""
+    process, endpoint = start_s3(tmp_path_factory.mktemp("moto"))
+    try:
+        yield endpoint
+    finally:
+        stop(process)
