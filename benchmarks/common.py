@@ -83,7 +83,7 @@ def run_dapo_loop(
     work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0, curve: list | None = None
 ) -> tuple[str, list[dict], float]:
     """dapo_loop from work/'s starting point, executed locally by flytekit with caching off
-    (steps_per_chunk: 0 = dapo_loop's default).
+    (steps_per_chunk: 0 = the preset's).
 
     Returns the final checkpoint path, the metric history and the seconds spent in
     validation (pipeline.evaluate), which benchmarks of the step loop leave out. curve, if
@@ -93,7 +93,7 @@ def run_dapo_loop(
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
     from dapo import pipeline
     from dapo.tracking import run_history
-    from workflows.dapo import DEFAULT_STEPS_PER_CHUNK, dapo_loop
+    from workflows.dapo import dapo_loop
 
     evaluate = pipeline.evaluate
     eval_seconds = 0.0
@@ -117,7 +117,7 @@ def run_dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
             total_steps=steps, train_data=str(work / "data" / pipeline.TRAIN_FILE), val_data=str(work / "data" / pipeline.VAL_FILE),
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
-            steps_per_chunk=steps_per_chunk or DEFAULT_STEPS_PER_CHUNK,
+            steps_per_chunk=steps_per_chunk,
         )
     finally:
         pipeline.evaluate = evaluate

@@ -40,6 +40,7 @@ RUN_FIELDS = (
     "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every", "colocated_rollout_gpu_memory",
     "colocated_release_rollout_memory",
     "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
+    "steps_per_chunk", "chunk_timeout_minutes", "measured_step_minutes",
 )
 """Fields that shape the run (how long, how often it validates, its tags) or its pods
 (disk, GPU type, retries, timeouts), but not what any step computes. The step config
@@ -239,8 +240,23 @@ class DAPOConfig:
     interruptible: bool = False
     """Run cluster tasks on interruptible (spot) nodes."""
     stage_timeout_minutes: int = 0
-    """Longest a cluster task may run before Flyte fails it (0 = no limit); also bounds
-    how long a multi-node policy step waits for its workers to be scheduled."""
+    """Longest one attempt of a cluster task may run before Flyte fails it (0 = no limit);
+    Flyte also ends the task at twice this from when it was first queued, whatever its
+    retries. Also bounds how long a multi-node policy step waits for its workers."""
+
+    # --- run budget (what a chunk holds, how long its task may run) ---------------------
+    steps_per_chunk: int = 10
+    """Steps one train_chunk node holds: the step loop is a chain of them (a colocated
+    chunk is one task, whose trainer and engines start once). dapo_loop's --steps_per_chunk
+    overrides it."""
+    chunk_timeout_minutes: int = 0
+    """Colocated: the longest one attempt of a chunk's task may run (0 = stage_timeout_minutes):
+    a chunk holds many steps, a rollout or validation pod one. The run budget
+    (dapo.run_budget) checks every timeout against the work it covers."""
+    measured_step_minutes: float = 0.0
+    """One step's wall time on your cluster without restarts (a colocated run's step line):
+    the run budget's step time. 0 = the cost model's estimate, verl's 32B step on 128 GPUs
+    scaled by parameters per GPU (dapo.cluster_cost)."""
 
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form tags of the run, set as MLflow run tags (not used by the algorithm)."""
@@ -341,6 +357,9 @@ class DAPOConfig:
         need(self.model_size_billions >= 0, "model_size_billions", "must be >= 0 (0 = the embedded tiny policy)")
         need(self.task_retries >= 0, "task_retries", "must be >= 0")
         need(self.stage_timeout_minutes >= 0, "stage_timeout_minutes", "must be >= 0 (0 = no limit)")
+        need(self.steps_per_chunk >= 1, "steps_per_chunk", "must be >= 1")
+        need(self.chunk_timeout_minutes >= 0, "chunk_timeout_minutes", "must be >= 0 (0 = stage_timeout_minutes)")
+        need(self.measured_step_minutes >= 0, "measured_step_minutes", "must be >= 0 (0 = the cost model's estimate)")
         need(
             self.trainer_nnodes == 1 or bool(self.trainer_shared_dir),
             "trainer_shared_dir",
@@ -366,6 +385,10 @@ class DAPOConfig:
                 "rollout_backend",
                 "must be 'vllm' with tensor_parallel_size > 1",
             )
+        if self.model_size_billions and (self.stage_timeout_minutes or self.chunk_timeout_minutes):
+            from dapo.run_budget import check_run_budget  # it prices this config with the cost model, which reads configs
+
+            check_run_budget(self)
 
     # ---------------------------------------------------------------------------------
     @property
@@ -474,8 +497,13 @@ class DAPOConfig:
         No format reward, to stay faithful.
         The data has no default: pass DAPO-Math-17k and the validation set as URIs
         (train_data_path / val_data_path, e.g. s3://bucket/dapo-math-17k.parquet).
-        A task may run 4 hours (a step of the verl recipe on 128 GPUs is ~31 min) and is
-        retried twice.
+        Chunks of 50 steps, validated and registered at each end (the paper validates
+        every 5 steps, but in colocated execution each validation restarts the trainer
+        and the engines: ~2.5 h at 32B): the restarts are 3-11% of the run
+        (benchmarks/cluster_cost.py). Each task is retried twice; a chunk's attempt may run
+        36 h (50 steps of ~31 min, verl's recipe on 128 GPUs, and its restarts), any other
+        task's 5 h (a per_stage policy step's restarts and transfers): the run budget
+        (dapo.run_budget) holds them to the work they cover.
         """
         return cls(
             model_path="Qwen/Qwen2.5-32B",
@@ -492,7 +520,10 @@ class DAPOConfig:
             trainer_nproc_per_node=8,
             trainer_shared_dir="/mnt/dapo-shared",
             task_retries=2,
-            stage_timeout_minutes=240,
+            stage_timeout_minutes=300,
+            steps_per_chunk=50,
+            val_every=50,
+            chunk_timeout_minutes=36 * 60,
         )
 
     @classmethod

@@ -84,7 +84,9 @@ def _gib(n_bytes: float) -> str:
     return f"{DISK_MARGIN_GIB + math.ceil(n_bytes / 2**30)}Gi"
 
 
-def node_settings(config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: float = 0, gpus: int = 0) -> dict:
+def node_settings(
+    config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: float = 0, gpus: int = 0, timeout_minutes: int | None = None
+) -> dict:
     """`with_overrides` arguments that shape one pod from the run's config.
 
     The dynamic workflows apply them to every node they emit, so GPU counts, the GPU
@@ -92,7 +94,7 @@ def node_settings(config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: flo
     never from the environment of the machine that registered the workflow (which
     the pods never see). Limits equal requests: what a pod asks for is what it may use,
     so a node's disk and memory are never overcommitted (an overcommitted pod is the
-    first evicted).
+    first evicted). timeout_minutes: one attempt's limit (None = stage_timeout_minutes, 0 = none).
     """
     resources = Resources(cpu=str(cpu), mem=f"{mem_gib}Gi", gpu=str(gpus) if gpus else None, ephemeral_storage=_gib(disk_bytes))
     settings: dict = {
@@ -103,8 +105,9 @@ def node_settings(config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: flo
     }
     if gpus and config.gpu_accelerator:
         settings["accelerator"] = GPUAccelerator(config.gpu_accelerator)
-    if config.stage_timeout_minutes:
-        settings["timeout"] = datetime.timedelta(minutes=config.stage_timeout_minutes)
+    timeout_minutes = config.stage_timeout_minutes if timeout_minutes is None else timeout_minutes
+    if timeout_minutes:
+        settings["timeout"] = datetime.timedelta(minutes=timeout_minutes)
     return settings
 
 
@@ -126,13 +129,14 @@ def trainer_settings(config: DAPOConfig) -> dict:
 
 
 def colocated_settings(config: DAPOConfig) -> dict:
-    """A colocated chunk's pod (one per node): the trainer's GPUs, CPUs and memory; disk for
+    """A colocated chunk's pod (one per node), under chunk_timeout_minutes: the trainer's GPUs, CPUs and memory; disk for
     the input checkpoint, and its records (the newest checkpoint and the one being
     written) unless they go to trainer_shared_dir (over several nodes, tasks.train.records_dir)."""
     gpus = config.trainer_nproc_per_node
     copies = 1 if config.trainer_nnodes > 1 else 3
     return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
-                         disk_bytes=copies * config.checkpoint_bytes)
+                         disk_bytes=copies * config.checkpoint_bytes,
+                         timeout_minutes=config.chunk_timeout_minutes or config.stage_timeout_minutes)
 
 
 def bootstrap_settings(config: DAPOConfig) -> dict:

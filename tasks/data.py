@@ -26,8 +26,9 @@ ResolvedConfig = typing.NamedTuple(
 )
 
 
-def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> DAPOConfig:
-    """The run's validated config: a preset, then overrides, then the explicit inputs."""
+def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int = 0) -> DAPOConfig:
+    """The run's validated config: a preset, then overrides, then the explicit inputs (0 or
+    "" keeps the preset's)."""
     overrides = json.loads(overrides_json) if overrides_json else {}
     if not isinstance(overrides, dict):
         raise ValueError(f"overrides_json must be a JSON object, got {overrides_json!r}")
@@ -37,6 +38,8 @@ def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str,
         overrides["train_data_path"] = train_data
     if val_data:
         overrides["val_data_path"] = val_data
+    if steps_per_chunk:
+        overrides["steps_per_chunk"] = steps_per_chunk
     config = DAPOConfig.preset(preset, overrides)
     if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
         raise ConfigError(
@@ -48,12 +51,15 @@ def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str,
 
 @task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
 @task_entry
-def resolve_config(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str) -> ResolvedConfig:
+def resolve_config(
+    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int
+) -> ResolvedConfig:
     """The run's validated config (resolve), and the configs tasks are cached on, each with
     only the fields its outputs depend on (DAPOConfig.only): the step config for the step
     tasks, the data and policy fields for prepare_data and bootstrap_policy (shared by
-    runs that differ elsewhere). Invalid values fail here, before any other work."""
-    config = resolve(preset, overrides_json, total_steps, train_data, val_data)
+    runs that differ elsewhere). Invalid values, and timeouts that cannot cover their
+    tasks' work (dapo.run_budget), fail here, before any other work."""
+    config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk)
     return ResolvedConfig(config, config.step_config(), config.only(DATA_FIELDS), config.only(POLICY_FIELDS))
 
 

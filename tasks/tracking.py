@@ -254,7 +254,7 @@ def end_failed_run(
     Flyte runs no failure handler for an execution aborted by hand (or whose process
     dies): its run stays RUNNING until the next execution of the config goes on with it."""
     try:
-        config = resolve(preset, overrides_json, total_steps, train_data, val_data)
+        config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk)
     except Exception as error:  # the config itself was the failure: no run was started
         logger.warning("dapo_loop failed before its MLflow run started: %s", error)
         return

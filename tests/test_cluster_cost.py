@@ -1,4 +1,4 @@
-"""The cluster cost model of benchmarks/cluster_cost.py: its claims hold for every input it prints."""
+"""The cluster cost model (dapo.cluster_cost) as benchmarks/cluster_cost.py prints it: its claims hold for every input it prints."""
 
 import dataclasses
 import math
@@ -81,3 +81,13 @@ def test_unreachable_share_and_bad_arguments_are_refused():
 def test_the_fixed_micro_batch_ratio_it_prints_is_read_from_the_measured_results():
     ratio = float(cc.FIXED_MICRO_BATCH_RATIO.search(cc.RESULTS.read_text()).group(1))
     assert ratio > 1.0  # by fixed row counts the update computes padding: slower
+
+
+def test_the_run_budgets_measured_figures_are_the_ones_in_results():
+    """dapo.cluster_cost prices the run budget without reading RESULTS.md (the package does
+    not ship it): its copy of section 4's figures must be the measured ones."""
+    from dapo import cluster_cost
+
+    measured = cc.handoff_figures(cc.RESULTS.read_text())
+    assert cluster_cost.MEASURED_HANDOFF == {key: measured[key] for key in cluster_cost.MEASURED_HANDOFF}
+    assert (cluster_cost.LOW, cluster_cost.HIGH) == (LOW, HIGH)

@@ -1,5 +1,6 @@
 """What `pyflyte run --remote` would register, inspected without a cluster."""
 
+import datetime
 from collections import OrderedDict
 
 import pytest
@@ -10,6 +11,7 @@ from flytekit.types.directory import FlyteDirectory
 
 import workflows.dapo as dapo_workflow
 from dapo.config import DAPOConfig
+from dapo.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from tasks import common, data, evaluate, rollout, tracking, train
 
@@ -152,7 +154,8 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     config), then log_chunk and one validation; no per-stage node."""
     config = DAPOConfig.paper_32b().replace(
         execution="colocated", model_size_billions=1.5, trainer_nnodes=1, trainer_nproc_per_node=1, tensor_parallel_size=1,
-        rollout_shards=1, gpu_accelerator="nvidia-h100", val_every=10,
+        rollout_shards=1, gpu_accelerator="nvidia-h100", val_every=10, steps_per_chunk=10, measured_step_minutes=3.0,
+        chunk_timeout_minutes=15 * 60,
     )
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
                            target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
@@ -164,6 +167,9 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     assert float(requests["ephemeral_storage"].removesuffix("Gi")) * 2**30 >= 3 * config.checkpoint_bytes  # input + 2 records
     assert chunk.task_node.overrides.extended_resources.gpu_accelerator.device == "nvidia-h100"
     assert chunk.metadata.retries.retries == config.task_retries
+    assert chunk.metadata.timeout == datetime.timedelta(hours=15)  # chunk_timeout_minutes; one step's pods get stage_timeout_minutes
+    evaluate_node = next(n for n in spec.nodes if n.metadata.name.endswith("evaluate"))
+    assert evaluate_node.metadata.timeout == datetime.timedelta(minutes=config.stage_timeout_minutes)
     template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk"))
     assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu"
     assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
@@ -226,7 +232,8 @@ def test_policy_step_is_one_pod_for_one_process():
 
 @pytest.mark.parametrize("nnodes, nproc", [(16, 8), (2, 1)])
 def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
-    config = DAPOConfig.paper_32b().replace(execution="per_stage", trainer_nnodes=nnodes, trainer_nproc_per_node=nproc)
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", trainer_nnodes=nnodes, trainer_nproc_per_node=nproc,
+                                            stage_timeout_minutes=0)  # 32B on 2 GPUs has no budget: its shape is tested
     template = serialize(train.policy_step_for(config)).template
     assert template.type == "pytorch"  # the PyTorchJob plugin (training-operator)
     assert template.custom["workerReplicas"]["replicas"] == nnodes
@@ -256,7 +263,7 @@ def test_one_node_elastic_policy_step_is_a_plain_pod_running_torchrun():
 
 
 def test_validation_schedule():
-    steps = [s for s in range(1, 13) if dapo_workflow.is_validation_step(s, 5, 12)]
+    steps = [s for s in range(1, 13) if is_validation_step(s, 5, 12)]
     assert steps == [5, 10, 12]
 
 
@@ -265,12 +272,12 @@ def test_a_colocated_chunk_ends_at_every_validation_step_so_val_every_is_honoure
     also end at each validation step; per stage validates inside a chunk."""
     config = DAPOConfig.tiny_cpu().replace(total_steps=13, val_every=4)
     colocated = config.replace(execution="colocated")
-    assert dapo_workflow.chunk_ranges(config, 10) == [(0, 10), (10, 13)]
-    assert dapo_workflow.chunk_ranges(colocated, 10) == [(0, 4), (4, 8), (8, 10), (10, 12), (12, 13)]
-    assert dapo_workflow.chunk_ranges(colocated.replace(val_every=0), 10) == [(0, 10), (10, 13)]
-    assert dapo_workflow.chunk_ranges(colocated.replace(val_every=10), 5) == [(0, 5), (5, 10), (10, 13)]
-    validated = [last for _, last in dapo_workflow.chunk_ranges(colocated, 10) if dapo_workflow.is_validation_step(last, 4, 13)]
-    assert validated == [step for step in range(1, 14) if dapo_workflow.is_validation_step(step, 4, 13)] == [4, 8, 12, 13]
+    assert chunk_ranges(config.replace(steps_per_chunk=10)) == [(0, 10), (10, 13)]
+    assert chunk_ranges(colocated.replace(steps_per_chunk=10)) == [(0, 4), (4, 8), (8, 10), (10, 12), (12, 13)]
+    assert chunk_ranges(colocated.replace(val_every=0, steps_per_chunk=10)) == [(0, 10), (10, 13)]
+    assert chunk_ranges(colocated.replace(val_every=10, steps_per_chunk=5)) == [(0, 5), (5, 10), (10, 13)]
+    validated = [last for _, last in chunk_ranges(colocated.replace(steps_per_chunk=10)) if is_validation_step(last, 4, 13)]
+    assert validated == [step for step in range(1, 14) if is_validation_step(step, 4, 13)] == [4, 8, 12, 13]
 
 
 def bindings(spec) -> list:
@@ -283,10 +290,10 @@ def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
     """The README's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
     step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
     biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
-    config = DAPOConfig.paper_32b().replace(execution="per_stage", train_data_path="s3://b/train.parquet", total_steps=1000)
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", train_data_path="s3://b/train.parquet", total_steps=1000,
+                                            steps_per_chunk=10)
     common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
-    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), steps_per_chunk=10,
-                                 **common)
+    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), **common)
     chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=990, last_step=1000, **common)
     assert len([n for n in train_spec.nodes if "train_chunk" in n.metadata.name]) == 100
     spec_bytes = {"train": train_spec.to_flyte_idl().ByteSize(), "train_chunk": chunk_spec.to_flyte_idl().ByteSize()}

@@ -74,13 +74,13 @@ def sim(tmp_path_factory):
         have = requirement_names(role) if role else set(DEFAULT_IMAGE_PACKAGES)
         return envs.python(frozenset(everything - have))
 
-    config = DAPOConfig.preset("tiny_cpu", SMALL)
+    config = DAPOConfig.preset("tiny_cpu", {**SMALL, "steps_per_chunk": 1})
     pipeline.prepare_data(config, root / "data")
     target = tracking.RunTarget(f"sqlite:///{root / 'mlflow.db'}", "podsim", "podsim", "podsim")  # the "MLflow server"
     inputs = {
         "config": config, "step_config": config.step_config(), "policy_config": config.only(POLICY_FIELDS),
         "target_json": json.dumps(target.__dict__),
-        "data": str(root / "data"), "loop_state": "", "model_name": "podsim-policy", "steps_per_chunk": 1,
+        "data": str(root / "data"), "loop_state": "", "model_name": "podsim-policy",
     }
     propeller = podsim.Propeller(store, python_for, env={"OMP_NUM_THREADS": "1"}, timeout=420, image_env=registration.image_env)
     state = {"registration": registration, "propeller": propeller, "config": config, "root": root, "error": None, "target": target,

@@ -93,9 +93,10 @@ def test_the_paper_preset_asks_for_its_data_before_any_work():
     from tasks.data import resolve_config
 
     with pytest.raises(ConfigError, match="--train_data"):
-        resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="")
+        resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="", steps_per_chunk=0)
     config, step_config, data_config, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
-                                                         train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet")
+                                                         train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet",
+                                                         steps_per_chunk=0)
     assert config.train_data_path == data_config.train_data_path == step_config.train_data_path == "s3://b/dapo.parquet"
 
 
@@ -104,11 +105,13 @@ def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_
     tags or pod settings; different for anything a step computes with."""
     from tasks.data import resolve_config
 
-    def step_config(total_steps: int, **overrides):
-        return resolve_config(preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=total_steps, train_data="", val_data="")[1]
+    def step_config(total_steps: int, steps_per_chunk: int = 0, **overrides):
+        return resolve_config(preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=total_steps, train_data="",
+                              val_data="", steps_per_chunk=steps_per_chunk)[1]
 
     base = step_config(30)
     assert step_config(35, val_every=1, extra={"team": "a"}, task_retries=3, gpu_accelerator="nvidia-h100") == base
+    assert step_config(30, steps_per_chunk=3, chunk_timeout_minutes=60, measured_step_minutes=2.0) == base
     assert step_config(30, clip_high=0.3) != base and step_config(30, seed=1) != base
     assert base.clip_high == 0.28 and base.n_samples_per_prompt == 8  # the tiny_cpu values, typed
 

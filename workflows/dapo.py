@@ -41,6 +41,7 @@ from flytekit.core.workflow import PythonFunctionWorkflow
 from flytekit.types.directory import FlyteDirectory
 
 from dapo.config import DAPOConfig
+from dapo.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE
 from tasks.common import (
     Checkpoint, bootstrap_settings, colocated_settings, cpu_settings, registry_settings, rollout_settings, trainer_settings,
@@ -51,7 +52,6 @@ from tasks.rollout import RoundResult, filter_groups, keep_batch, keep_done, kee
 from tasks.tracking import RunSummary, end_failed_run, finish_tracking, log_chunk, log_step, register_model, start_tracking
 from tasks.train import colocated_chunk_for, policy_step_for
 
-DEFAULT_STEPS_PER_CHUNK = 10
 DYNAMIC_POD = {"container_image": CPU_IMAGE, "requests": Resources(cpu="1", mem="2Gi")}
 """Where the dynamic workflows run: they only build the DAG of their nodes."""
 
@@ -153,28 +153,10 @@ def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: st
     return policy, loop_state
 
 
-def is_validation_step(step: int, val_every: int, total_steps: int) -> bool:
-    """Validate every val_every steps (counted after the update) and after the last step."""
-    return step == total_steps or (val_every > 0 and step % val_every == 0)
-
-
-def chunk_ranges(config: DAPOConfig, steps_per_chunk: int) -> list[tuple[int, int]]:
-    """[first_step, last_step) of each train_chunk: steps_per_chunk steps, the last chunk
-    what is left. A colocated chunk also ends at every validation step: only a checkpoint
-    that leaves a chunk (its task's output) can be validated and registered, so each
-    validation costs that mode one trainer and engine start (choose val_every as a multiple
-    of steps_per_chunk where starts are expensive)."""
-    ends = set(range(steps_per_chunk, config.total_steps, steps_per_chunk)) | {config.total_steps}
-    if config.execution == "colocated":
-        ends |= {step for step in range(1, config.total_steps) if is_validation_step(step, config.val_every, config.total_steps)}
-    ends = sorted(ends)
-    return list(zip([0, *ends[:-1]], ends))
-
-
 @dynamic(**DYNAMIC_POD)
 def train(
     config: DAPOConfig, step_config: DAPOConfig, policy_config: DAPOConfig, target_json: str, data: FlyteDirectory, loop_state: str,
-    model_name: str, steps_per_chunk: int,
+    model_name: str,
 ) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
     """The starting policy, its validation, then the step loop as a chain of chunks.
 
@@ -182,7 +164,7 @@ def train(
     (resolve_config), which hold only the fields their outputs depend on."""
     policy = bootstrap_policy(config=policy_config).with_overrides(**bootstrap_settings(config))
     loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
-    for first, last in chunk_ranges(config, steps_per_chunk):
+    for first, last in chunk_ranges(config):
         policy, loop_state = train_chunk(
             config=config, step_config=step_config, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
             first_step=first, last_step=last, model_name=model_name,
@@ -200,14 +182,15 @@ def dapo_loop(
     mlflow_tracking_uri: str = "",
     mlflow_experiment: str = "dapo",
     model_name: str = "dapo-policy",
-    steps_per_chunk: int = DEFAULT_STEPS_PER_CHUNK,
+    steps_per_chunk: int = 0,
 ) -> typing.NamedTuple("DapoResult", [("policy", Checkpoint), ("summary", RunSummary)]):
     """DAPO training. Defaults: the embedded tiny policy and arithmetic task, local MLflow.
 
     preset: tiny_cpu | paper_32b; overrides_json: DAPOConfig fields as JSON, e.g.
     '{"clip_high": 0.2}'; total_steps: 0 keeps the preset's; train_data / val_data:
     verl-format parquet paths or URIs (s3://..., gs://...); mlflow_tracking_uri: "" =
-    $MLFLOW_TRACKING_URI or ./mlflow.db; model_name: the MLflow registered model.
+    $MLFLOW_TRACKING_URI or ./mlflow.db; model_name: the MLflow registered model;
+    steps_per_chunk: steps a train_chunk node holds, 0 keeps the preset's.
 
     Run again with more total_steps (or another val_every, model_name, tags) to extend a
     run: the steps already computed come from the cache and the same MLflow run goes on.
@@ -215,12 +198,13 @@ def dapo_loop(
     MLflow run id); the run ends FINISHED, or FAILED if the execution fails.
     """
     config, step_config, data_config, policy_config = resolve_config(
-        preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data
+        preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data,
+        steps_per_chunk=steps_per_chunk,
     )
     data, data_stats = prepare_data(config=data_config)
     target_json, loop_state = start_tracking(config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment,
                                              data_stats=data_stats)
     final_policy, final_state = train(config=config, step_config=step_config, policy_config=policy_config, target_json=target_json,
-                                      data=data, loop_state=loop_state, model_name=model_name, steps_per_chunk=steps_per_chunk)
+                                      data=data, loop_state=loop_state, model_name=model_name)
     summary = finish_tracking(config=config, target_json=target_json, loop_state=final_state, model_name=model_name)
     return final_policy, summary

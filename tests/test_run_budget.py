@@ -1,0 +1,74 @@
+"""The run budget (dapo.run_budget): a config whose timeouts cannot cover their tasks' work,
+by the cost model and Flyte's deadlines, is refused before any work, naming the numbers."""
+
+import pytest
+
+from dapo import cluster_cost, run_budget
+from dapo.config import ConfigError, DAPOConfig
+
+PAPER = DAPOConfig.paper_32b()
+
+
+def test_the_shipped_paper_preset_fits_its_budget_in_both_execution_modes():
+    for config in (PAPER, PAPER.replace(execution="per_stage")):
+        budgets = run_budget.task_budgets(config)
+        assert {b.task for b in budgets} >= {"bootstrap_policy", "evaluate", "register_model"}
+        assert all(b.timeout_minutes >= b.needed_minutes for b in budgets), run_budget.budget_lines(config)
+
+
+def test_a_32b_chunk_that_outlasts_its_timeout_is_refused_naming_the_field_and_the_numbers():
+    """The preset as it was: 4 h for every task, 5-step colocated chunks (val_every 5)."""
+    with pytest.raises(ConfigError) as refused:
+        PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=240, val_every=5)
+    message = str(refused.value)
+    assert message.startswith("DAPOConfig.stage_timeout_minutes=240: a colocated chunk needs ~")
+    assert "5 steps of" in message and "set stage_timeout_minutes >= " in message and "31.3 min from the cost model" in message
+    needed = int(message.split("set stage_timeout_minutes >= ")[1].split()[0])
+    PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed, val_every=5)  # the number it names suffices
+    with pytest.raises(ConfigError, match="set stage_timeout_minutes >= "):
+        PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed - 1, val_every=5)
+
+
+def test_longer_chunks_need_a_longer_chunk_timeout_and_a_measured_step_time_replaces_the_estimate():
+    with pytest.raises(ConfigError, match=r"DAPOConfig.chunk_timeout_minutes=2160: a colocated chunk .*\(100 steps of"):
+        PAPER.replace(steps_per_chunk=100, val_every=100)
+    faster = PAPER.replace(measured_step_minutes=10.0, steps_per_chunk=100, val_every=100)  # measured: 10-minute steps
+    chunk = next(b for b in run_budget.task_budgets(faster) if b.task == "a colocated chunk")
+    assert chunk.timeout_field == "chunk_timeout_minutes"
+    assert 100 * 10 * 60 < chunk.attempt_s < 100 * 11 * 60 + 4 * 3600  # 100 steps, their syncs and one set of restarts
+
+
+def test_retries_must_fit_twice_the_timeout_from_where_each_task_restarts():
+    """A per-stage policy step restarts from scratch: with 2 retries its three attempts need
+    1.5x an attempt's time; a colocated chunk's retry resumes from its record, so its
+    retries cost only the steps since the last one."""
+    policy_step = next(b for b in run_budget.task_budgets(PAPER.replace(execution="per_stage")) if b.task == "policy_step")
+    assert policy_step.retry_s == policy_step.attempt_s
+    assert policy_step.needed_minutes == pytest.approx(3 * policy_step.attempt_s * run_budget.HEADROOM / 60 / 2, abs=1)
+    chunk = next(b for b in run_budget.task_budgets(PAPER) if b.task == "a colocated chunk")
+    every_step = PAPER.replace(colocated_checkpoint_every=1, chunk_timeout_minutes=0, stage_timeout_minutes=0)  # priced, not checked
+    chunk_every_step = next(b for b in run_budget.task_budgets(every_step) if b.task == "a colocated chunk")
+    assert chunk_every_step.retry_s < chunk.retry_s < chunk.attempt_s < chunk_every_step.attempt_s  # a record every step costs time
+    no_retries = next(b for b in run_budget.task_budgets(PAPER.replace(task_retries=0)) if b.task == "a colocated chunk")
+    assert no_retries.needed_minutes == pytest.approx(chunk.attempt_s * run_budget.HEADROOM / 60, abs=1)
+
+
+def test_no_timeout_or_the_embedded_policy_has_no_budget_to_check():
+    DAPOConfig.tiny_cpu().replace(stage_timeout_minutes=1)  # model_size_billions 0: nothing to price
+    PAPER.replace(stage_timeout_minutes=0, chunk_timeout_minutes=0, val_every=5)  # no limit at all
+    assert all(b.problem() == "" for b in run_budget.task_budgets(PAPER.replace(stage_timeout_minutes=0, chunk_timeout_minutes=0)))
+
+
+def test_the_budget_prices_the_configs_own_cluster():
+    model = cluster_cost.Model.of(PAPER)
+    assert (model.nodes, model.gpus, model.engines) == (16, 128, 32)
+    assert model.weights_bytes == pytest.approx(PAPER.weights_bytes) and model.checkpoint_bytes == pytest.approx(PAPER.checkpoint_bytes)
+    assert run_budget.step_seconds(PAPER) == pytest.approx(cluster_cost.VERL_STEP_S, rel=1e-9)  # verl's own 32B cluster
+    half = PAPER.replace(trainer_nnodes=8, rollout_shards=16, stage_timeout_minutes=0, chunk_timeout_minutes=0)
+    assert run_budget.step_seconds(half) == pytest.approx(2 * cluster_cost.VERL_STEP_S)
+
+
+@pytest.mark.parametrize("field", ["steps_per_chunk", "chunk_timeout_minutes", "measured_step_minutes"])
+def test_budget_fields_reject_bad_values(field):
+    with pytest.raises(ConfigError, match=f"DAPOConfig.{field}="):
+        DAPOConfig.tiny_cpu().replace(**{field: -1})
