@@ -1,8 +1,12 @@
 # syntax=docker/dockerfile:1.7
 #
-# Hand-built GPU image for the DAPO rollout (vLLM) and trainer (DeepSpeed) tasks:
-# the same software as ROLLOUT_IMAGE / TRAINER_IMAGE in images/specs.py, for
-# clusters that build images in CI instead of through flytekit's ImageSpec.
+# Hand-built GPU image with the DAPO rollout (vLLM) and trainer (DeepSpeed) software:
+# the same as ROLLOUT_IMAGE / TRAINER_IMAGE / GPU_IMAGE in images/specs.py, for running
+# the GPU code outside Flyte (a notebook, a benchmark on a GPU machine). The workflow's
+# pods use the ImageSpecs, which `pyflyte run --remote` builds and pushes under tags
+# that hash their specs (README, "Running on a cluster"): an image built here does not
+# carry those tags, nor the environment (DAPO_IMAGE_REGISTRY) the dynamic workflows
+# recompute them from.
 #
 #   docker build -t ghcr.io/dapo-flyte/dapo-gpu:dev .                         # both roles (default)
 #   docker build --build-arg ROLE=rollout -t ghcr.io/dapo-flyte/dapo-rollout:dev .

@@ -215,7 +215,7 @@ def test_no_plaintext_credentials_in_manifests():
 def test_example_secrets_hold_only_placeholders():
     docs = _load_all(SECRETS_EXAMPLE)
     assert docs and all(d["kind"] == "Secret" for d in docs)
-    non_secret_keys = {"POSTGRES_USER", "POSTGRES_DB"}
+    non_secret_keys = {"POSTGRES_USER", "POSTGRES_DB", "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"}
     for doc in docs:
         ident = _doc_id(SECRETS_EXAMPLE.name, doc)
         assert "data" not in doc, f"{ident}: use stringData placeholders, not base64 data"
@@ -526,16 +526,21 @@ def test_pod_templates_match_the_image_user_and_point_at_mlflow():
         default = next(c for c in spec["containers"] if c["name"] == "default")
         env = {e["name"]: e.get("value") for e in default.get("env") or []}
         assert env.get("MLFLOW_TRACKING_URI") == MLFLOW_URI
+        # the pipeline's MLflow user, optional (a pod must start against a server without auth)
+        assert {"name": "dapo-mlflow-auth", "optional": True} in [s["secretRef"] for s in default["envFrom"] if "secretRef" in s]
+        assert spec["imagePullSecrets"] == [{"name": "dapo-registry"}]
 
 
 # --------------------------------------------------------------------------- MLflow
 
-def test_mlflow_server_uses_postgres_s3_and_serves_artifacts():
+def test_mlflow_server_uses_postgres_s3_serves_artifacts_and_authenticates():
+    """The start script itself runs against a real server in tests/test_tracking.py."""
     dep = find("Deployment", "mlflow", "mlflow")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     cmd = " ".join((c.get("command") or []) + (c.get("args") or []))
-    assert cmd.startswith("mlflow server")
+    assert "exec mlflow server --app-name=basic-auth" in cmd
     assert "--serve-artifacts" in cmd and "--artifacts-destination" in cmd and "--backend-store-uri" in cmd
+    assert {s["secretRef"]["name"] for s in c["envFrom"] if "secretRef" in s} == {"mlflow-s3", "mlflow-auth"}
     env = {e["name"]: e for e in c["env"]}
     assert env["MLFLOW_BACKEND_STORE_URI"]["value"].startswith("postgresql://")
     cfg = find("ConfigMap", "mlflow-config", "mlflow")["data"]
@@ -603,6 +608,15 @@ def test_network_policies_fence_mlflow_and_postgres():
 
 # --------------------------------------------------------------------------- Helm values
 
+def test_helm_values_sign_upload_urls_for_the_workstation_not_the_cluster():
+    """Fast registration uploads from outside the cluster to a URL FlyteAdmin signs: signed
+    for the in-cluster name, the workstation cannot resolve it (flyteorg/flyte#5663)."""
+    values = helm_values()
+    signing = values["configuration"]["inline"]["storage"]["signedUrl"]["stowConfigOverride"]["endpoint"]
+    serving = values["configuration"]["storage"]["providerConfig"]["s3"]["endpoint"]
+    assert signing.startswith("https://") and signing != serving and "svc.cluster.local" not in signing
+
+
 def test_helm_values_enable_the_pytorch_plugin():
     values = helm_values()
     chart_plugins = values["enabled_plugins"]["tasks"]["task-plugins"]
@@ -647,3 +661,62 @@ def test_readme_documents_install_order():
     # The README's apply order follows the file numbering.
     positions = [text.index(f"k8s/{p.name}") for p in applied_files()]
     assert positions == sorted(positions)
+
+
+# --------------------------------------------------------------------------- optional: gang scheduling, RDMA
+
+OPTIONAL = K8S / "optional"
+
+
+def test_kueue_admits_paper_32bs_policy_step_as_one_gang():
+    """Kueue's queues (a CRD: no Kubernetes schema to validate against) cover the resources
+    the trainer asks for, hold all of paper_32b's biggest stage, and serve the dapo namespace."""
+    from tasks.common import colocated_settings, trainer_settings
+
+    docs = {d["kind"]: d for d in _load_all(OPTIONAL / "kueue-gang-scheduling.yaml")}
+    assert {d["apiVersion"] for d in docs.values()} == {"kueue.x-k8s.io/v1beta1"}
+    assert docs["LocalQueue"]["metadata"]["namespace"] == WORKLOAD_NS and docs["LocalQueue"]["spec"]["clusterQueue"] == "dapo"
+    queue = docs["ClusterQueue"]["spec"]
+    assert queue["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": WORKLOAD_NS}
+    (group,) = queue["resourceGroups"]
+    (flavor,) = group["flavors"]
+    assert flavor["name"] == docs["ResourceFlavor"]["metadata"]["name"]
+    quota = {r["name"]: _quantity(r["nominalQuota"]) for r in flavor["resources"]}
+    config = DAPOConfig.paper_32b()
+    for settings in (trainer_settings(config), colocated_settings(config)):
+        needed = _stage_requests(settings, config.trainer_nnodes)
+        assert set(group["coveredResources"]) == set(quota) == {"cpu", "memory", "nvidia.com/gpu", "ephemeral-storage"}
+        assert needed["requests.cpu"] <= quota["cpu"] and needed["requests.memory"] <= quota["memory"]
+        assert needed["requests.nvidia.com/gpu"] <= quota["nvidia.com/gpu"]
+        assert needed["requests.ephemeral-storage"] <= quota["ephemeral-storage"]
+    assert "--labels kueue.x-k8s.io/queue-name=dapo" in (OPTIONAL / "kueue-gang-scheduling.yaml").read_text()
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """Kubernetes' strategic merge for what the RDMA patch touches: maps merge, lists of
+    named items merge by name, other lists are appended to."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: strategic_merge(base[k], v) if k in base else v for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list):
+        if all(isinstance(x, dict) and "name" in x for x in base + patch):
+            merged = {x["name"]: x for x in base}
+            for item in patch:
+                merged[item["name"]] = strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
+            return list(merged.values())
+        return base + [x for x in patch if x not in base]
+    return patch
+
+
+def test_the_rdma_patch_gives_the_trainer_template_rdma_and_ipc_lock_and_stays_valid():
+    template = find("PodTemplate", "dapo-gpu-shared", WORKLOAD_NS)
+    (patch,) = _load_all(OPTIONAL / "rdma-trainer-patch.yaml")
+    patched = strategic_merge(template, patch)
+    kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
+    (default,) = patched["template"]["spec"]["containers"]
+    assert default["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+    assert default["resources"]["limits"]["nvidia.com/gpu"] == "1"  # the base template's stay
+    assert default["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    env = {e["name"]: e.get("value") for e in default["env"]}
+    assert env["NCCL_IB_DISABLE"] == "0" and env["MLFLOW_TRACKING_URI"] == MLFLOW_URI
+    # baseline Pod Security refuses IPC_LOCK: the file says so
+    assert "pod-security.kubernetes.io/enforce=privileged" in (OPTIONAL / "rdma-trainer-patch.yaml").read_text()

@@ -234,6 +234,55 @@ def test_a_model_version_larger_than_the_servers_temp_space_registers_straight_i
         stop(server)
 
 
+def mlflow_server_script() -> str:
+    """The MLflow server's start script from k8s/12-mlflow-server.yaml."""
+    import yaml
+
+    deployment = next(doc for doc in yaml.safe_load_all((Path(__file__).parent.parent / "k8s/12-mlflow-server.yaml").read_text())
+                      if doc and doc["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c"]
+    return container["args"][0]
+
+
+@pytest.mark.slow
+def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipelines_user(tmp_path, monkeypatch):
+    """The manifest's own start script (basic-auth app, admin from the Secret's variables,
+    the user store beside the tracking store) run here: the pipeline's user, created as
+    k8s/README.md says, delivers with MLFLOW_TRACKING_USERNAME/PASSWORD (what the pod
+    templates take from Secret dapo-mlflow-auth); without them every record is kept."""
+    from mlflow.server import get_app_client
+
+    from servers import wait_for_port
+
+    port = free_port()
+    env = {**os.environ, "HOME": str(tmp_path), "MLFLOW_PORT": str(port), "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "MLFLOW_ARTIFACTS_DESTINATION": str(tmp_path / "artifacts"), "MLFLOW_AUTH_ADMIN_USERNAME": "admin",
+           "MLFLOW_AUTH_ADMIN_PASSWORD": "admin-password-0", "MLFLOW_FLASK_SERVER_SECRET_KEY": "0123456789abcdef"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(["/bin/sh", "-c", mlflow_server_script()], env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        wait_for_port(server, port, "mlflow server (basic-auth)")
+        uri = f"http://127.0.0.1:{port}"
+        for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            monkeypatch.delenv(key, raising=False)
+        target = RunTarget(uri, "dapo-test", "auth", "exec")
+        records = [params_record({"lr": 1e-6}), metrics_record(1, {"acc": 0.5})]
+        assert deliver(target, records) == records  # anonymous: refused, kept for later
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "admin-password-0")
+        get_app_client("basic-auth", tracking_uri=uri).create_user("dapo-pipeline", "pipeline-password-0")
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "dapo-pipeline")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pipeline-password-0")
+        assert deliver(target, records) == []
+        run = tracking.Tracker(target).find_run()
+        assert run.data.params["lr"] == "1e-06" and run.data.metrics["acc"] == 0.5
+    finally:
+        stop(server)
+        log.close()
+
+
 @pytest.mark.slow
 def test_server_down_at_start_and_mid_run_loses_nothing(tmp_path):
     port = free_port()
