@@ -1,28 +1,7 @@
 """What one DAPO step costs on a cluster beyond its compute, per execution mode, and
-paper_32b's run budget: the cost model of dapo.cluster_cost, printed.
-
-No GPU or cluster has been available to us, so this is arithmetic, not a measurement.
-Its inputs are our own measured components (bytes per parameter of the weights and of
-the whole DeepSpeed checkpoint, DAPOConfig; the checkpoint save rate and the in-place
-reload vs engine start ratio, benchmarks/RESULTS.md section 4) and public figures, each
-named below with its source. Two execution modes:
-
-- per_stage (the code today): every step is a chain of fresh pods. Each rollout pod
-  downloads the bf16 weights and starts vLLM; the policy step's pods each download the
-  whole checkpoint (weights + optimizer state), start DeepSpeed, update once, save, and
-  rank 0's pod uploads the new checkpoint as the task's output.
-- colocated (dapo.colocated): steps_per_chunk steps inside one GPU task (the trainer's
-  ranks, each also in a vLLM engine) with vLLM and the trainer resident, the weights
-  synced in memory every step; the checkpoint download, the engine starts and the
-  upload happen once a chunk, and each node saves its share of a record checkpoint every
-  colocated_checkpoint_every steps (on trainer_shared_dir, not through the store).
-
-Pods that run at the same time download at the same time, each at one client's
-bandwidth (no limit on the store's side is modelled). Left out in both modes: pod
-scheduling and image pulls, Flyte's own task overhead, validation (a separate node in
-both modes), and any dynamic-sampling round past the first (per_stage pays each extra
-round's downloads and engine starts again, colocated nothing). So per_stage's figures
-are a lower bound.
+paper_32b's run budget: the cost model of dapo.cluster_cost (its docstring says what it
+models and leaves out), printed as tables at 1.5B, 7B and 32B with every figure's source.
+The model's measured inputs are read here from RESULTS.md section 4.
 
     make bench-cluster-cost
     PYTHONPATH=. .venv/bin/python benchmarks/cluster_cost.py

@@ -6,7 +6,7 @@ the whole DeepSpeed checkpoint, DAPOConfig; the checkpoint save rate and the in-
 reload vs engine start ratio, benchmarks/RESULTS.md section 4) and public figures, each
 named below with its source. Two execution modes:
 
-- per_stage (the code today): every step is a chain of fresh pods. Each rollout pod
+- per_stage: every step is a chain of fresh pods. Each rollout pod
   downloads the bf16 weights and starts vLLM; the policy step's pods each download the
   whole checkpoint (weights + optimizer state), start DeepSpeed, update once, save, and
   rank 0's pod uploads the new checkpoint as the task's output.

@@ -17,17 +17,36 @@ Propeller    a small flytepropeller: runs nodes in dependency order; a task node
              expanded here; a multi-node PyTorchJob runs its workers as concurrent pods.
              As in propeller, nodes run as soon as their inputs are ready, side by side
              (the ready nodes of a workflow, the indices of an ArrayNode), at most
-             `parallelism` pods at a time.
+             `parallelism` pods at a time. Propeller's semantics:
+             - retries: a node's attempts are its compiled retries + 1; a pod that dies
+               (no error.pb: killed, evicted) or writes a RECOVERABLE error is retried, a
+               NON_RECOVERABLE one (any exception of the task's code, as flytekit writes
+               it) fails the node at once;
+             - timeouts: a node's timeout bounds each attempt (a retryable failure), and
+               twice it bounds all its attempts together ("task active timeout expired");
+               `seconds_per_minute` compresses them for the tests;
+             - disk: a pod's files (its /root and its TMPDIR) may not outgrow its
+               ephemeral-storage limit; one that does is evicted (a retryable failure);
+             - cache: a discoverable task's outputs are kept in a Catalog keyed as
+               datacatalog keys them, and a later node with the same key reads them
+               instead of running a pod;
+             - sizes: a dynamic task's futures.pb over propeller's 2 MiB download limit
+               fails the node;
+             - the failure node: a workflow that fails runs its on_failure task with the
+               error (failed node id, message) as its `err` input.
 
     python tests/podsim.py register OUT STORE -- workflows/dapo.py dapo_loop   (what register() runs)
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,11 +57,13 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flyteidl.core import dynamic_job_pb2, literals_pb2, tasks_pb2, workflow_pb2
+from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-EXECUTION = {"project": "dapo", "domain": "development", "name": "podsim"}
+EXECUTION = {"project": "dapo", "domain": "development"}
+MAX_DOWNLOAD_BYTES = 2 * 2**20
+"""Propeller's storage.limits.maxDownloadMBs default: the largest futures.pb it reads."""
 
 
 def _read(cls, path: Path):
@@ -70,6 +91,8 @@ class Registration:
     image_env: dict[str, dict[str, str]]
     distribution: str
     version: str
+    workflows: dict = field(default_factory=dict)
+    """Workflow name -> the admin WorkflowSpec registered (its template and sub-workflows)."""
 
     @property
     def images(self) -> set[str]:
@@ -86,8 +109,11 @@ def register(out: Path, store: Path, argv: list[str], env: dict[str, str] | None
     if result.returncode:
         raise RuntimeError(f"registration failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     summary = json.loads((out / "registration.json").read_text())
+    from flyteidl.admin import workflow_pb2 as admin_workflow_pb2
+
     tasks = {p.stem: _read(tasks_pb2.TaskTemplate, p) for p in sorted((out / "tasks").glob("*.pb"))}
-    return Registration(tasks, summary["image_specs"], summary["image_env"], summary["distribution"], summary["version"])
+    workflows = {p.stem: _read(admin_workflow_pb2.WorkflowSpec, p) for p in sorted((out / "workflows").glob("*.pb"))}
+    return Registration(tasks, summary["image_specs"], summary["image_env"], summary["distribution"], summary["version"], workflows)
 
 
 def _register_main(out: str, store: str, argv: list[str]) -> None:
@@ -204,20 +230,147 @@ class Pod:
     cwd: Path
     returncode: int
     log: str
+    attempt: int = 0
+    disk_peak: int = 0
+    """The most bytes its files held at once (its /root and TMPDIR)."""
+    disk_limit: int = 0
+    """Its ephemeral-storage limit in bytes (0 = none)."""
+    ended_by: str = ""
+    """What the simulator ended it for: "timeout", "evicted", or a fault it injected ("" = none)."""
 
     @property
     def failed(self) -> bool:
         """A non-zero exit, or flytekit's error.pb (pyflyte-execute exits 0 after writing it)."""
         return self.returncode != 0 or (self.prefix / "error.pb").exists()
 
+    @property
+    def retryable(self) -> bool:
+        """Propeller retries a pod that died (no error document) or that flytekit says may be
+        retried; an exception of the task's code is NON_RECOVERABLE: the node fails."""
+        if not (self.prefix / "error.pb").exists():
+            return True
+        return _read(errors_pb2.ErrorDocument, self.prefix / "error.pb").error.kind == errors_pb2.ContainerError.RECOVERABLE
+
+    @property
+    def error(self) -> str:
+        """How propeller reports this pod's failure ("KIND::message")."""
+        if self.ended_by == "evicted":
+            return f"SYSTEM::Pod was evicted: ephemeral local storage usage ({self.disk_peak} bytes) exceeds the total limit"
+        if self.ended_by == "timeout":
+            return "USER::task execution timeout expired"
+        if (self.prefix / "error.pb").exists():
+            error = _read(errors_pb2.ErrorDocument, self.prefix / "error.pb").error
+            return f"{'USER' if error.origin == 1 else 'SYSTEM'}::{error.message}"
+        code = 128 - self.returncode if self.returncode < 0 else self.returncode  # a signal, as the kubelet reports it
+        return f"USER::Pod failed. [primary] terminated with exit code ({code})"
+
     def tail(self, chars: int = 4000) -> str:
-        return f"pod {self.node} ({self.template.id.name}) exit {self.returncode}:\n{self.log[-chars:]}"
+        ended = f", ended by the simulator: {self.ended_by}" if self.ended_by else ""
+        return f"pod {self.node} ({self.template.id.name}) attempt {self.attempt} exit {self.returncode}{ended}:\n{self.log[-chars:]}"
 
 
 class PodFailed(RuntimeError):
-    def __init__(self, pod: Pod):
-        super().__init__(pod.tail())
-        self.pod = pod
+    """A node failed for good: its retries spent, a non-recoverable error, its active
+    deadline passed, or its dynamic spec refused. pod: its last pod (None if none ran)."""
+
+    def __init__(self, pod: Pod | None, reason: str = ""):
+        super().__init__(reason + ("\n" + pod.tail() if pod else ""))
+        self.pod, self.reason = pod, reason
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """A task node's retries and timeout, from its compiled node (or the task's metadata)."""
+
+    retries: int = 0
+    timeout_s: float = 0.0
+
+    @classmethod
+    def of(cls, node, template: tasks_pb2.TaskTemplate) -> "NodeLimits":
+        metadata = node.metadata if node is not None else None
+        retries = metadata.retries.retries if metadata is not None and metadata.HasField("retries") else template.metadata.retries.retries
+        timeout = metadata.timeout if metadata is not None and metadata.HasField("timeout") else template.metadata.timeout
+        return cls(retries, timeout.seconds + timeout.nanos / 1e9)
+
+
+class Catalog:
+    """Cached task outputs, keyed as datacatalog keys them: the dataset is the task's name,
+    its cache version and its interface; the artifact the hash of its inputs, where a
+    literal carrying a hash (a Checkpoint's content hash) is its hash, minus the inputs the
+    task ignores for caching."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.hits: list[tuple[str, str]] = []
+        """(node, task name) of every hit."""
+
+    @staticmethod
+    def key(template: tasks_pb2.TaskTemplate, inputs: literals_pb2.LiteralMap) -> str:
+        ignored = set(template.metadata.cache_ignore_input_vars)
+        hashed = literals_pb2.LiteralMap(literals={k: _hashified(v) for k, v in inputs.literals.items() if k not in ignored})
+        digest = hashlib.sha256()
+        for part in (template.id.project, template.id.domain, template.id.name, template.metadata.discovery_version):
+            digest.update(part.encode() + b"\0")
+        digest.update(template.interface.SerializeToString(deterministic=True))
+        digest.update(hashed.SerializeToString(deterministic=True))
+        return digest.hexdigest()
+
+    def get(self, template, inputs) -> literals_pb2.LiteralMap | None:
+        path = self.root / f"{self.key(template, inputs)}.pb"
+        return _read(literals_pb2.LiteralMap, path) if path.exists() else None
+
+    def put(self, template, inputs, outputs: literals_pb2.LiteralMap) -> None:
+        _write(outputs, self.root / f"{self.key(template, inputs)}.pb")
+
+
+def _hashified(literal: literals_pb2.Literal) -> literals_pb2.Literal:
+    if literal.hash:
+        return literals_pb2.Literal(hash=literal.hash)
+    if literal.HasField("collection"):
+        return literals_pb2.Literal(collection=literals_pb2.LiteralCollection(literals=[_hashified(x) for x in literal.collection.literals]))
+    if literal.HasField("map"):
+        return literals_pb2.Literal(map=literals_pb2.LiteralMap(literals={k: _hashified(v) for k, v in literal.map.literals.items()}))
+    return literal
+
+
+QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?)?$")
+UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes quantity ("21Gi", "500M") in bytes."""
+    match = QUANTITY.match(quantity)
+    if not match:
+        raise ValueError(f"not a quantity: {quantity!r}")
+    return int(float(match.group(1)) * UNITS[match.group(2)])
+
+
+def ephemeral_storage_limit(template: tasks_pb2.TaskTemplate, node=None) -> int:
+    """A pod's ephemeral-storage limit in bytes: the node's override, else the task's; a
+    request without a limit bounds it too (our pods set both alike)."""
+    name = tasks_pb2.Resources.EPHEMERAL_STORAGE
+    candidates = []
+    if node is not None and node.HasField("task_node") and node.task_node.HasField("overrides"):
+        candidates += [node.task_node.overrides.resources.limits, node.task_node.overrides.resources.requests]
+    if template.HasField("container"):
+        candidates += [template.container.resources.limits, template.container.resources.requests]
+    for entries in candidates:
+        for entry in entries:
+            if entry.name == name:
+                return quantity_bytes(entry.value)
+    return 0
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes a directory tree holds on disk (allocated blocks: a sparse file counts what it holds)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 @dataclass
@@ -226,6 +379,10 @@ class Propeller:
 
     python_for(template) -> the interpreter of the image the template names.
     parallelism: pods running at once (a multi-worker PyTorchJob counts as one).
+    timeout: the simulator's own bound on a pod without a timeout of its node (a harness
+    limit, not propeller's). faults: task name -> what happens to its pods, attempt by
+    attempt ("kill": SIGKILL as it starts, like a lost node; "freeze": SIGSTOP, a hang;
+    "" or past the list: nothing).
     """
 
     store: Path
@@ -237,17 +394,26 @@ class Propeller:
     dynamic_specs: dict[str, dynamic_job_pb2.DynamicJobSpec] = field(default_factory=dict)
     echoed: list[str] = field(default_factory=list)  # echo tasks run (in propeller, no pod)
     image_env: dict[str, dict[str, str]] = field(default_factory=dict)  # what each registered image sets
+    catalog: Catalog | None = None
+    execution: str = "podsim"
+    seconds_per_minute: float = 60.0
+    faults: dict[str, list[str]] = field(default_factory=dict)
+    default_disk_limit: int = 0
+    """The namespace LimitRange's default ephemeral-storage limit, for pods that set none."""
 
     def __post_init__(self):
         self._slots = threading.Semaphore(self.parallelism)
+        self._lock = threading.Lock()
 
     # -- one pod
     def run_pod(self, node: str, template: tasks_pb2.TaskTemplate, inputs: literals_pb2.LiteralMap, prefix: Path,
-                extra_env: dict[str, str] | None = None, workers: int = 1) -> Pod:
-        """Write inputs.pb, run the container args (in `workers` concurrent pods), return the first pod."""
+                extra_env: dict[str, str] | None = None, workers: int = 1, attempt: int = 0, deadline: float = 0.0,
+                disk_limit: int = 0) -> Pod:
+        """Write inputs.pb, run the container args (in `workers` concurrent pods), return the
+        first failed pod, else the first; deadline: when the simulator ends them (monotonic)."""
         _write(inputs, prefix / "inputs.pb")
         values = {"input": prefix / "inputs.pb", "inputPrefix": prefix, "outputPrefix": prefix,
-                  "rawOutputDataPrefix": self.store / "raw" / node, "checkpointOutputPrefix": prefix / "_checkpoint",
+                  "rawOutputDataPrefix": self.store / "raw" / self.execution / node, "checkpointOutputPrefix": prefix / "_checkpoint",
                   "prevCheckpointPrefix": '""'}
         args = [*template.container.command, *template.container.args]
         for key, value in values.items():
@@ -259,55 +425,129 @@ class Propeller:
                "TORCH_EXTENSIONS_DIR": str(python.parent.parent / "torch_extensions"),
                **self.image_env.get(template.container.image, {}), **self.env, **{e.key: e.value for e in template.container.env},
                "FLYTE_INTERNAL_EXECUTION_PROJECT": EXECUTION["project"], "FLYTE_INTERNAL_EXECUTION_DOMAIN": EXECUTION["domain"],
-               "FLYTE_INTERNAL_EXECUTION_ID": EXECUTION["name"], "FLYTE_INTERNAL_TASK_PROJECT": template.id.project,
+               "FLYTE_INTERNAL_EXECUTION_ID": self.execution, "FLYTE_INTERNAL_TASK_PROJECT": template.id.project,
                "FLYTE_INTERNAL_TASK_DOMAIN": template.id.domain, "FLYTE_INTERNAL_TASK_NAME": template.id.name,
-               "FLYTE_INTERNAL_TASK_VERSION": template.id.version, "FLYTE_ATTEMPT_NUMBER": "0", **(extra_env or {})}
+               "FLYTE_INTERNAL_TASK_VERSION": template.id.version, "FLYTE_ATTEMPT_NUMBER": str(attempt), **(extra_env or {})}
         if workers > 1:  # a PyTorchJob: what the training-operator gives each worker pod
             env.update({"PET_NNODES": str(workers), "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"localhost:{_free_port()}"})
+        faults = self.faults.get(task_name(template), [])
+        fault = faults[attempt] if attempt < len(faults) else ""
         with self._slots:
-            pods = self._run_workers(node, template, prefix, args, env, workers)
-        self.pods.extend(pods)
+            pods = self._run_workers(node, template, prefix, args, env, workers, attempt, deadline or time.monotonic() + self.timeout,
+                                     disk_limit, fault)
+        with self._lock:
+            self.pods.extend(pods)
         return next((p for p in pods if p.failed), pods[0])
 
-    def _run_workers(self, node, template, prefix: Path, args: list[str], env: dict[str, str], workers: int) -> list[Pod]:
+    def _run_workers(self, node, template, prefix: Path, args: list[str], env: dict[str, str], workers: int, attempt: int,
+                     deadline: float, disk_limit: int, fault: str) -> list[Pod]:
         procs = []
         for worker in range(workers):
             cwd = prefix / (f"root-{worker}" if workers > 1 else "root")  # the image's /root: empty but for the tarball
-            cwd.mkdir(parents=True)
+            (cwd / "tmp").mkdir(parents=True)  # its TMPDIR: flytekit's sandbox and our scratch space, on the pod's disk
             log = open(cwd.parent / f"pod-{worker}.log", "w+")
-            procs.append((subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), cwd, log))
+            process = subprocess.Popen(args, cwd=cwd, env={**env, "TMPDIR": str(cwd / "tmp")}, stdout=log, stderr=subprocess.STDOUT)
+            if fault == "kill":
+                process.send_signal(signal.SIGKILL)
+            elif fault == "freeze":
+                process.send_signal(signal.SIGSTOP)
+            procs.append((process, cwd, log))
+        ended_by, peak = fault, [0] * workers
+        while any(process.poll() is None for process, _, _ in procs):
+            for index, (_, cwd, _) in enumerate(procs):
+                peak[index] = max(peak[index], disk_usage(cwd))
+            if disk_limit and max(peak) > disk_limit:
+                ended_by = "evicted"  # the kubelet: "ephemeral local storage usage exceeds the total limit"
+            elif time.monotonic() > deadline:
+                ended_by = "timeout"
+            else:
+                time.sleep(0.2)
+                continue
+            for process, _, _ in procs:
+                process.kill()
+            break
         pods = []
-        deadline = time.monotonic() + self.timeout
-        for proc, cwd, log in procs:
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
+        for index, (process, cwd, log) in enumerate(procs):
+            code = process.wait()
+            peak[index] = max(peak[index], disk_usage(cwd))
             log.seek(0)
-            pods.append(Pod(node, template, prefix, cwd, code, log.read()))
+            pods.append(Pod(node, template, prefix, cwd, code, log.read(), attempt, peak[index], disk_limit, ended_by))
             log.close()
         return pods
 
     # -- nodes
-    def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
-        """A task node: its pod(s); a dynamic task's futures.pb executed in turn."""
+    def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path, compiled_node=None,
+                      extra_env: dict[str, str] | None = None) -> literals_pb2.LiteralMap:
+        """A task node: a cached result, else its pod(s) attempt by attempt within its limits;
+        a dynamic task's futures.pb executed in turn. compiled_node: the workflow node that
+        runs the task (its retries, timeout and resource overrides)."""
         if template.type == "echo":
             return self.echo(template, inputs, prefix)
+        cached = template.metadata.discoverable and self.catalog is not None
+        if cached and (outputs := self.catalog.get(template, inputs)) is not None:
+            self.catalog.hits.append((node, task_name(template)))
+            _write(outputs, prefix / "outputs.pb")
+            return outputs
         workers = 1
         if template.type == "pytorch" and template.custom.fields.get("workerReplicas"):
             workers = int(template.custom["workerReplicas"]["replicas"])
-        pod = self.run_pod(node, template, inputs, prefix, workers=workers)
-        if pod.failed:
-            raise PodFailed(pod)
+        limits = NodeLimits.of(compiled_node, template)
+        attempt_s = limits.timeout_s / 60 * self.seconds_per_minute
+        active_deadline = time.monotonic() + 2 * attempt_s if attempt_s else float("inf")
+        disk_limit = ephemeral_storage_limit(template, compiled_node) or self.default_disk_limit
+        pod = None
+        for attempt in range(limits.retries + 1):
+            if time.monotonic() > active_deadline:
+                raise PodFailed(pod, f"task active timeout [{limits.timeout_s * 2:g}s] expired")
+            attempt_prefix = prefix if attempt == 0 else prefix / f"attempt-{attempt}"
+            deadline = min(time.monotonic() + attempt_s, active_deadline) if attempt_s else 0.0
+            pod = self.run_pod(node, template, inputs, attempt_prefix, extra_env=extra_env, workers=workers, attempt=attempt,
+                               deadline=deadline, disk_limit=disk_limit)
+            if not pod.failed:
+                break
+            if pod.ended_by == "timeout" and time.monotonic() >= active_deadline:
+                raise PodFailed(pod, f"task active timeout [{limits.timeout_s * 2:g}s] expired")
+            if not pod.retryable:
+                raise PodFailed(pod, pod.error)
+        else:
+            attempts = limits.retries + 1
+            raise PodFailed(pod, f"[{attempts}/{attempts}] currentAttempt done. Last Error: {pod.error}")
+        prefix = pod.prefix
         if (prefix / "futures.pb").exists():
+            size = (prefix / "futures.pb").stat().st_size
+            if size > MAX_DOWNLOAD_BYTES:
+                raise PodFailed(pod, f"futures.pb is {size} bytes, over propeller's {MAX_DOWNLOAD_BYTES}-byte download limit")
             spec = _read(dynamic_job_pb2.DynamicJobSpec, prefix / "futures.pb")
             self.dynamic_specs[node] = spec
             tasks = {_key(t.id): t for t in spec.tasks}
             subworkflows = {_key(w.id): w for w in spec.subworkflows}
             outputs = self.run_nodes(list(spec.nodes), spec.outputs, literals_pb2.LiteralMap(), tasks, subworkflows, prefix / "dyn")
             _write(outputs, prefix / "outputs.pb")
-        return _read(literals_pb2.LiteralMap, prefix / "outputs.pb")
+        outputs = _read(literals_pb2.LiteralMap, prefix / "outputs.pb")
+        if cached:
+            self.catalog.put(template, inputs, outputs)
+        return outputs
+
+    def run_workflow(self, spec, tasks: dict[str, tasks_pb2.TaskTemplate], inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
+        """A registered workflow (an admin WorkflowSpec) as one execution under store/<execution>;
+        if it fails, its failure node runs with the error, and the failure is raised."""
+        template = spec.template
+        subworkflows = {_key(w.id): w for w in spec.sub_workflows}
+        tasks = {_key(t.id): t for t in tasks.values()}
+        prefix = self.store / self.execution
+        try:
+            return self.run_nodes(list(template.nodes), template.outputs, inputs, tasks, subworkflows, prefix)
+        except PodFailed as error:
+            if template.HasField("failure_node") and template.failure_node.id:
+                failure = template.failure_node
+                failed = error.pod.node if error.pod else "?"
+                message = f"{error.reason}: {error.pod.log[-2000:] if error.pod else ''}"
+                err = _error_literal(tasks[_key(failure.task_node.reference_id)].interface.inputs.variables["err"].type, failed, message)
+                failure_inputs = literals_pb2.LiteralMap(literals={
+                    b.var: err if b.var == "err" else _resolve(b.binding, {"start-node": inputs}) for b in failure.inputs
+                })
+                self.run_node(failure, failure_inputs, tasks, subworkflows, prefix / failure.id, {"start-node": inputs})
+            raise
 
     def echo(self, template: tasks_pb2.TaskTemplate, inputs, prefix: Path) -> literals_pb2.LiteralMap:
         """An echo task, as FlytePropeller's echo plugin runs it (no pod): its one input
@@ -346,7 +586,8 @@ class Propeller:
     def run_node(self, node, inputs, tasks, subworkflows, prefix: Path, results) -> literals_pb2.LiteralMap:
         kind = node.WhichOneof("target")
         if kind == "task_node":
-            return self.run_task_node(str(prefix.relative_to(self.store)), tasks[_key(node.task_node.reference_id)], inputs, prefix)
+            return self.run_task_node(str(prefix.relative_to(self.store)), tasks[_key(node.task_node.reference_id)], inputs, prefix,
+                                      compiled_node=node)
         if kind == "workflow_node":
             workflow = subworkflows[_key(node.workflow_node.sub_workflow_ref)]
             return self.run_nodes(list(workflow.nodes), workflow.outputs, inputs, tasks, subworkflows, prefix)
@@ -368,7 +609,8 @@ class Propeller:
 
     def run_array_node(self, node, inputs, tasks, prefix: Path) -> literals_pb2.LiteralMap:
         """A map task: one pod per index, each reading the whole inputs.pb and its index from
-        the env var flytekit's ArrayNodeMapTask reads; outputs gathered into collections."""
+        the env var flytekit's ArrayNodeMapTask reads, each cached and retried on its own (on
+        the index's inputs); outputs gathered into collections."""
         array = node.array_node
         assert array.data_mode == workflow_pb2.ArrayNode.SINGLE_INPUT_FILE, array.data_mode
         template = tasks[_key(array.node.task_node.reference_id)]
@@ -378,16 +620,49 @@ class Propeller:
         def run_index(index: int) -> literals_pb2.LiteralMap:
             sub = prefix / str(index)
             env = {"BATCH_JOB_ARRAY_INDEX_VAR_NAME": "FLYTE_K8S_ARRAY_INDEX", "FLYTE_K8S_ARRAY_INDEX": str(index)}
-            pod = self.run_pod(str(sub.relative_to(self.store)), template, inputs, sub, extra_env=env)
-            if pod.failed:
-                raise PodFailed(pod)
-            return _read(literals_pb2.LiteralMap, sub / "outputs.pb")
+            index_inputs = literals_pb2.LiteralMap(literals=dict(inputs.literals))
+            for name in mapped:  # the index's own element: its cache key
+                index_inputs.literals[name].CopyFrom(inputs.literals[name].collection.literals[index])
+            cached = template.metadata.discoverable and self.catalog is not None
+            if cached and (outputs := self.catalog.get(template, index_inputs)) is not None:
+                self.catalog.hits.append((str(sub.relative_to(self.store)), task_name(template)))
+                return outputs
+            outputs = self.run_task_node(str(sub.relative_to(self.store)), _uncached(template), inputs, sub, compiled_node=array.node,
+                                         extra_env=env)
+            if cached:
+                self.catalog.put(template, index_inputs, outputs)
+            return outputs
 
         with ThreadPoolExecutor(max(1, size)) as pool:
             outputs = list(pool.map(run_index, range(size)))  # in index order, whichever pod ends first
         gathered = {name: literals_pb2.LiteralCollection(literals=[o.literals[name] for o in outputs])
                     for name in template.interface.outputs.variables}
         return literals_pb2.LiteralMap(literals={k: literals_pb2.Literal(collection=v) for k, v in gathered.items()})
+
+
+def _error_literal(input_type: types_pb2.LiteralType, failed_node: str, message: str) -> literals_pb2.Literal:
+    """The execution's error as the failure node's `err` input of input_type: an error
+    scalar, inside a union where the input is one (Optional[FlyteError])."""
+    error = literals_pb2.Literal(scalar=literals_pb2.Scalar(error=types_pb2.Error(failed_node_id=failed_node, message=message)))
+    if not input_type.HasField("union_type"):
+        return error
+    variant = next(v for v in input_type.union_type.variants if v.simple == types_pb2.ERROR)
+    return literals_pb2.Literal(scalar=literals_pb2.Scalar(union=literals_pb2.Union(value=error, type=variant)))
+
+
+def _uncached(template: tasks_pb2.TaskTemplate) -> tasks_pb2.TaskTemplate:
+    """A map task's template for one index's pod: cached by the array node on the index's inputs."""
+    copy = tasks_pb2.TaskTemplate()
+    copy.CopyFrom(template)
+    copy.metadata.discoverable = False
+    return copy
+
+
+def task_name(template) -> str:
+    """tasks.rollout.rollout -> rollout; a map task's name carries its function's name."""
+    last = template.id.name.rsplit(".", 1)[-1]
+    mapped = re.fullmatch(r"map_(\w+?)_[0-9a-f]+(?:-arraynode)?", last)
+    return mapped.group(1) if mapped else last
 
 
 def _key(identifier) -> str:
