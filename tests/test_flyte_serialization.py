@@ -117,8 +117,6 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     """paper_32b's step as train_chunk's pod emits it: every image a registered one, GPUs
     and GPU type from the config (not the registering shell), the elastic step keeps its
     resolver, the full batch passes through an echo task (no pod), retries and timeouts."""
-    import datetime
-
     config = DAPOConfig.paper_32b().replace(execution="per_stage", gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
                            target_json="{}", loop_state="", first_step=0, last_step=1, model_name="m")
