@@ -251,8 +251,6 @@ def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipe
     the user store beside the tracking store) run here: the pipeline's user, created as
     k8s/README.md says, delivers with MLFLOW_TRACKING_USERNAME/PASSWORD (what the pod
     templates take from Secret dapo-mlflow-auth); without them every record is kept."""
-    from mlflow.server import get_app_client
-
     from servers import wait_for_port
 
     port = free_port()
@@ -270,9 +268,12 @@ def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipe
         target = RunTarget(uri, "dapo-test", "auth", "exec")
         records = [params_record({"lr": 1e-6}), metrics_record(1, {"acc": 0.5})]
         assert deliver(target, records) == records  # anonymous: refused, kept for later
-        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "admin-password-0")
-        get_app_client("basic-auth", tracking_uri=uri).create_user("dapo-pipeline", "pipeline-password-0")
+        # k8s/README.md's command, in a process of its own (mlflow.server imports a Flask app, whose
+        # context-bound proxies left in this process's sys.modules trip vLLM's kernel registry)
+        create_user = f"from mlflow.server import get_app_client; get_app_client('basic-auth', tracking_uri={uri!r})" \
+                      ".create_user('dapo-pipeline', 'pipeline-password-0')"
+        admin = {**os.environ, "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "admin-password-0"}
+        subprocess.run([sys.executable, "-c", create_user], env=admin, check=True, capture_output=True, timeout=120)
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "dapo-pipeline")
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pipeline-password-0")
         assert deliver(target, records) == []
