@@ -44,18 +44,21 @@ class TaskBudget:
     """What the attempt is made of, for the messages."""
 
     @property
+    def all_attempts_s(self) -> float:
+        """The first attempt and every retry, each failing just before it would have ended."""
+        return self.attempt_s + self.retries * self.retry_s
+
+    @property
     def needed_minutes(self) -> int:
         """The smallest timeout that covers an attempt, and (twice over) every attempt."""
-        attempt = self.attempt_s * HEADROOM / 60
-        all_attempts = (self.attempt_s + self.retries * self.retry_s) * HEADROOM / 60
-        return math.ceil(max(attempt, all_attempts / 2))
+        return math.ceil(max(self.attempt_s, self.all_attempts_s / 2) * HEADROOM / 60)
 
     def problem(self) -> str:
         """"" when the timeout covers the work, else what is wrong, naming the field and the numbers."""
         if not self.timeout_minutes or self.timeout_minutes >= self.needed_minutes:
             return ""
         return (f"DAPOConfig.{self.timeout_field}={self.timeout_minutes}: {self.task} needs ~{self.attempt_s / 60:,.0f} min an "
-                f"attempt ({self.work}) and ~{(self.attempt_s + self.retries * self.retry_s) / 60:,.0f} min with its "
+                f"attempt ({self.work}) and ~{self.all_attempts_s / 60:,.0f} min with its "
                 f"{self.retries} retries, which Flyte ends at twice the timeout; with {HEADROOM}x headroom set "
                 f"{self.timeout_field} >= {self.needed_minutes}")
 
@@ -113,7 +116,7 @@ def task_budgets(config: DAPOConfig) -> list[TaskBudget]:
 
 def check_run_budget(config: DAPOConfig) -> None:
     """Raise ConfigError naming every timeout that does not cover its task's work."""
-    problems = [b.problem() for b in task_budgets(config) if b.problem()]
+    problems = [problem for problem in (b.problem() for b in task_budgets(config)) if problem]
     if problems:
         where = "measured_step_minutes" if config.measured_step_minutes else "the cost model's step estimate"
         raise ConfigError("; ".join(problems) + f" (a step of {step_seconds(config) / 60:.1f} min from {where})")
@@ -124,5 +127,5 @@ def budget_lines(config: DAPOConfig) -> list[str]:
     rows = ["| task | timeout field | timeout min | attempt min | with retries min | needs min |", "| --- | --- | --- | --- | --- | --- |"]
     for b in task_budgets(config):
         rows.append(f"| {b.task} | {b.timeout_field} | {b.timeout_minutes} | {b.attempt_s / 60:,.0f} "
-                    f"| {(b.attempt_s + b.retries * b.retry_s) / 60:,.0f} | {b.needed_minutes:,} |")
+                    f"| {b.all_attempts_s / 60:,.0f} | {b.needed_minutes:,} |")
     return rows

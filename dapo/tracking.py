@@ -366,12 +366,12 @@ def deliver(
     """
     if not records:
         return []
-    left: list[dict] = []
+    left: list[dict] = []  # registrations only: any other record not sent ends the delivery
     try:
         tracker = Tracker(target, materialize)
         for index, record in enumerate(records):
             registering = record["kind"] == "register"
-            if registering and (materialize is None or any(r["kind"] == "register" for r in left)):
+            if registering and (materialize is None or left):
                 left.append(record)
                 continue
             try:
