@@ -477,14 +477,16 @@ class Propeller:
 
     # -- nodes
     def run_task_node(self, node: str, template: tasks_pb2.TaskTemplate, inputs, prefix: Path, compiled_node=None,
-                      extra_env: dict[str, str] | None = None) -> literals_pb2.LiteralMap:
+                      extra_env: dict[str, str] | None = None, cache_inputs=None) -> literals_pb2.LiteralMap:
         """A task node: a cached result, else its pod(s) attempt by attempt within its limits;
         a dynamic task's futures.pb executed in turn. compiled_node: the workflow node that
-        runs the task (its retries, timeout and resource overrides)."""
+        runs the task (its retries, timeout and resource overrides); cache_inputs: what its
+        cache key hashes, where not its inputs (an ArrayNode index: its own elements)."""
         if template.type == "echo":
             return self.echo(template, inputs, prefix)
+        cache_inputs = inputs if cache_inputs is None else cache_inputs
         cached = template.metadata.discoverable and self.catalog is not None
-        if cached and (outputs := self.catalog.get(template, inputs)) is not None:
+        if cached and (outputs := self.catalog.get(template, cache_inputs)) is not None:
             self.catalog.hits.append((node, task_name(template)))
             _write(outputs, prefix / "outputs.pb")
             return outputs
@@ -495,17 +497,14 @@ class Propeller:
         attempt_s = limits.timeout_s / 60 * self.seconds_per_minute
         active_deadline = time.monotonic() + 2 * attempt_s if attempt_s else float("inf")
         disk_limit = ephemeral_storage_limit(template, compiled_node) or self.default_disk_limit
-        pod = None
         for attempt in range(limits.retries + 1):
-            if time.monotonic() > active_deadline:
-                raise PodFailed(pod, f"task active timeout [{limits.timeout_s * 2:g}s] expired")
             attempt_prefix = prefix if attempt == 0 else prefix / f"attempt-{attempt}"
             deadline = min(time.monotonic() + attempt_s, active_deadline) if attempt_s else 0.0
             pod = self.run_pod(node, template, inputs, attempt_prefix, extra_env=extra_env, workers=workers, attempt=attempt,
                                deadline=deadline, disk_limit=disk_limit)
             if not pod.failed:
                 break
-            if pod.ended_by == "timeout" and time.monotonic() >= active_deadline:
+            if time.monotonic() >= active_deadline:  # whatever retries are left
                 raise PodFailed(pod, f"task active timeout [{limits.timeout_s * 2:g}s] expired")
             if not pod.retryable:
                 raise PodFailed(pod, pod.error)
@@ -525,7 +524,7 @@ class Propeller:
             _write(outputs, prefix / "outputs.pb")
         outputs = _read(literals_pb2.LiteralMap, prefix / "outputs.pb")
         if cached:
-            self.catalog.put(template, inputs, outputs)
+            self.catalog.put(template, cache_inputs, outputs)
         return outputs
 
     def run_workflow(self, spec, tasks: dict[str, tasks_pb2.TaskTemplate], inputs: literals_pb2.LiteralMap) -> literals_pb2.LiteralMap:
@@ -623,15 +622,8 @@ class Propeller:
             index_inputs = literals_pb2.LiteralMap(literals=dict(inputs.literals))
             for name in mapped:  # the index's own element: its cache key
                 index_inputs.literals[name].CopyFrom(inputs.literals[name].collection.literals[index])
-            cached = template.metadata.discoverable and self.catalog is not None
-            if cached and (outputs := self.catalog.get(template, index_inputs)) is not None:
-                self.catalog.hits.append((str(sub.relative_to(self.store)), task_name(template)))
-                return outputs
-            outputs = self.run_task_node(str(sub.relative_to(self.store)), _uncached(template), inputs, sub, compiled_node=array.node,
-                                         extra_env=env)
-            if cached:
-                self.catalog.put(template, index_inputs, outputs)
-            return outputs
+            return self.run_task_node(str(sub.relative_to(self.store)), template, inputs, sub, compiled_node=array.node,
+                                      extra_env=env, cache_inputs=index_inputs)
 
         with ThreadPoolExecutor(max(1, size)) as pool:
             outputs = list(pool.map(run_index, range(size)))  # in index order, whichever pod ends first
@@ -648,14 +640,6 @@ def _error_literal(input_type: types_pb2.LiteralType, failed_node: str, message:
         return error
     variant = next(v for v in input_type.union_type.variants if v.simple == types_pb2.ERROR)
     return literals_pb2.Literal(scalar=literals_pb2.Scalar(union=literals_pb2.Union(value=error, type=variant)))
-
-
-def _uncached(template: tasks_pb2.TaskTemplate) -> tasks_pb2.TaskTemplate:
-    """A map task's template for one index's pod: cached by the array node on the index's inputs."""
-    copy = tasks_pb2.TaskTemplate()
-    copy.CopyFrom(template)
-    copy.metadata.discoverable = False
-    return copy
 
 
 def task_name(template) -> str:

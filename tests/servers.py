@@ -27,16 +27,20 @@ def s3_client(endpoint: str):
     return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
 
 
-def wait_for_port(process: subprocess.Popen, port: int, what: str, seconds: float = 90) -> None:
-    deadline = time.time() + seconds
+def serve(command: list[str], port: int, log: Path, env: dict[str, str], preexec_fn=None) -> subprocess.Popen:
+    """Start a server in a session of its own (stop() ends it with all its children), its
+    output in log, and wait until it listens on port."""
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=output, env=env, preexec_fn=preexec_fn, start_new_session=True)
+    deadline = time.time() + 90
     while time.time() < deadline and process.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
+                return process
         except OSError:
             time.sleep(0.3)
     stop(process)
-    raise RuntimeError(f"{what} did not start on port {port}")
+    raise RuntimeError(f"{command[:4]} did not start on port {port}: {log.read_text()[-2000:]}")
 
 
 def start_s3(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -44,11 +48,9 @@ def start_s3(workdir: Path) -> tuple[subprocess.Popen, str]:
     process of its own: in the tests' process its Flask app would leave context-bound
     proxies in sys.modules, which vLLM's kernel registry trips over)."""
     port = free_port()
-    log = (workdir / "moto.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                               stderr=log, env={**os.environ, "TMPDIR": str(workdir)}, start_new_session=True)
+    process = serve([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, workdir / "moto.log",
+                    {**os.environ, "TMPDIR": str(workdir)})
     endpoint = f"http://127.0.0.1:{port}"
-    wait_for_port(process, port, "moto's S3 server")
     s3_client(endpoint).create_bucket(Bucket=BUCKET)
     return process, endpoint
 
@@ -67,14 +69,12 @@ def start_mlflow(
         if file_limit_bytes:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit_bytes, file_limit_bytes))
 
-    log = (store / "mlflow-server.log").open("w")
-    process = subprocess.Popen(
+    process = serve(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--serve-artifacts",
          "--backend-store-uri", f"sqlite:///{store / 'server.db'}", "--artifacts-destination", artifacts or str(store / "artifacts"),
          "--workers", "1"],
-        stdout=log, stderr=log, env=env, preexec_fn=limit_files, start_new_session=True,
+        port, store / "mlflow-server.log", env, preexec_fn=limit_files,
     )
-    wait_for_port(process, port, "mlflow server")
     return process, f"http://127.0.0.1:{port}"
 
 

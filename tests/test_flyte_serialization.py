@@ -284,18 +284,37 @@ def bindings(spec) -> list:
     return [b for n in nodes for b in n.inputs]
 
 
+def paper_dag(tmp_path, **overrides):
+    """What a 1,000-step paper_32b run's dynamic pods emit: the step loop (train) and its
+    last chunk (train_chunk), as DynamicJobSpecs (their futures.pb)."""
+    config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000, **overrides)
+    common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
+    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), **common)
+    first, last = chunk_ranges(config)[-1]
+    chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=first, last_step=last, **common)
+    return train_spec, chunk_spec
+
+
 def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
     """The README's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
     step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
     biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
-    config = DAPOConfig.paper_32b().replace(execution="per_stage", train_data_path="s3://b/train.parquet", total_steps=1000,
-                                            steps_per_chunk=10)
-    common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
-    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), **common)
-    chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=990, last_step=1000, **common)
+    train_spec, chunk_spec = paper_dag(tmp_path, execution="per_stage", steps_per_chunk=10)
     assert len([n for n in train_spec.nodes if "train_chunk" in n.metadata.name]) == 100
     spec_bytes = {"train": train_spec.to_flyte_idl().ByteSize(), "train_chunk": chunk_spec.to_flyte_idl().ByteSize()}
     assert max(spec_bytes.values()) < 2**20, spec_bytes
     largest_binding = max(b.binding.to_flyte_idl().ByteSize() for spec in (train_spec, chunk_spec) for b in bindings(spec))
     assert largest_binding < 64 * 1024, largest_binding
     print(f"paper_32b, 1,000 steps: dynamic specs {spec_bytes} bytes; largest bound input {largest_binding} bytes")
+
+
+@pytest.mark.parametrize("execution", ["colocated", "per_stage"])
+def test_the_shipped_paper_dags_dynamic_specs_fit_propellers_download_limit(tmp_path, execution):
+    """paper_32b as shipped (50-step chunks): the futures.pb a dynamic pod writes is read by
+    propeller only up to 2 MiB (podsim fails a node past it)."""
+    import podsim
+
+    sizes = {name: spec.to_flyte_idl().ByteSize()
+             for name, spec in zip(("train", "train_chunk"), paper_dag(tmp_path, execution=execution))}
+    assert max(sizes.values()) < podsim.MAX_DOWNLOAD_BYTES, sizes
+    print(f"paper_32b {execution}: futures.pb {sizes} bytes (limit {podsim.MAX_DOWNLOAD_BYTES})")

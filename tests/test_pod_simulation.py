@@ -16,6 +16,7 @@ sampling both shards) and log_chunk. The same command executed again runs no ste
 retry; a node killed on every attempt fails the execution and runs the failure handler;
 timeouts, the active deadline and eviction are shown on single nodes.
 """
+
 from __future__ import annotations
 
 import json
@@ -178,9 +179,7 @@ def pods_of(sim, name: str) -> list[podsim.Pod]:
 
 
 def failure(sim) -> str:
-    error = sim["error"]
-    return "" if error is None else f"the execution stopped ({error.reason}) at {error.pod.node if error.pod else '?'}:\n" + (
-        error.pod.tail(3000) if error.pod else "")
+    return "" if sim["error"] is None else f"the execution stopped: {sim['error']}"
 
 
 def emitted(sim):
@@ -506,20 +505,3 @@ def test_a_pod_that_outgrows_its_ephemeral_storage_is_evicted(sim, cluster, tmp_
         propeller.run_task_node("too-big", template, inputs, tmp_path / "too-big", compiled_node=node)
     (pod,) = propeller.pods
     assert pod.ended_by == "evicted" and pod.disk_limit == 64 * 1024 < pod.disk_peak
-
-
-def test_the_paper_dags_dynamic_specs_fit_propellers_download_limit(tmp_path):
-    """paper_32b as shipped (50-step chunks, 1,000 steps), in both execution modes: the
-    futures.pb a dynamic pod writes is read by propeller only up to 2 MiB."""
-    from test_flyte_serialization import compile_dynamic
-    from dapo.config import DAPOConfig
-    from workflows import dapo as dapo_workflow
-
-    for mode in ("colocated", "per_stage"):
-        config = DAPOConfig.paper_32b().replace(execution=mode, train_data_path="s3://b/train.parquet")
-        common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
-        train = compile_dynamic(dapo_workflow.train, tmp_path / mode / "train", policy_config=config.only(["model_path"]), **common)
-        chunk = compile_dynamic(dapo_workflow.train_chunk, tmp_path / mode / "chunk", first_step=950, last_step=1000, **common)
-        sizes = {"train": train.to_flyte_idl().ByteSize(), "train_chunk": chunk.to_flyte_idl().ByteSize()}
-        assert max(sizes.values()) < podsim.MAX_DOWNLOAD_BYTES, (mode, sizes)
-        print(f"paper_32b {mode}: futures.pb {sizes} bytes (limit {podsim.MAX_DOWNLOAD_BYTES})")

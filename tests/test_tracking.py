@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo import tracking
-from servers import BUCKET, free_port, s3_client, start_mlflow, stop
+from servers import BUCKET, free_port, s3_client, serve, start_mlflow, stop
 from dapo.tracking import RunTarget, artifact_record, deliver, metrics_record, params_record, register_record, table_record
 
 
@@ -228,8 +228,7 @@ def test_a_model_version_larger_than_the_servers_temp_space_registers_straight_i
         sizes = {item["Key"].rsplit("/", 1)[1]: item["Size"] for item in objects if "/checkpoints/step_000000/" in item["Key"]}
         assert sizes["model-00002-of-00002.safetensors"] == WEIGHT_FILE_BYTES
         assert sizes["model.safetensors"] == (checkpoint / "model.safetensors").stat().st_size
-        run_id = client.get_run(version.run_id).info.run_id
-        assert [m.step for m in client.get_metric_history(run_id, "acc")] == [1]
+        assert [m.step for m in client.get_metric_history(version.run_id, "acc")] == [1]
     finally:
         stop(server)
 
@@ -251,17 +250,13 @@ def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipe
     the user store beside the tracking store) run here: the pipeline's user, created as
     k8s/README.md says, delivers with MLFLOW_TRACKING_USERNAME/PASSWORD (what the pod
     templates take from Secret dapo-mlflow-auth); without them every record is kept."""
-    from servers import wait_for_port
-
     port = free_port()
     env = {**os.environ, "HOME": str(tmp_path), "MLFLOW_PORT": str(port), "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "MLFLOW_ARTIFACTS_DESTINATION": str(tmp_path / "artifacts"), "MLFLOW_AUTH_ADMIN_USERNAME": "admin",
            "MLFLOW_AUTH_ADMIN_PASSWORD": "admin-password-0", "MLFLOW_FLASK_SERVER_SECRET_KEY": "0123456789abcdef"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(["/bin/sh", "-c", mlflow_server_script()], env=env, stdout=log, stderr=log, start_new_session=True)
+    server = serve(["/bin/sh", "-c", mlflow_server_script()], port, tmp_path / "server.log", env)
     try:
-        wait_for_port(server, port, "mlflow server (basic-auth)")
         uri = f"http://127.0.0.1:{port}"
         for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             monkeypatch.delenv(key, raising=False)
@@ -281,7 +276,6 @@ def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipe
         assert run.data.params["lr"] == "1e-06" and run.data.metrics["acc"] == 0.5
     finally:
         stop(server)
-        log.close()
 
 
 @pytest.mark.slow
