@@ -76,7 +76,7 @@ def prepare_start(work: Path) -> None:
     config = DAPOConfig.tiny_cpu()
     print("preparing the embedded data and the warm-started tiny policy (about 2 minutes) ...", flush=True)
     pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
+    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
 
 
 def run_dapo_loop(

@@ -59,7 +59,7 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
 
     config = step_config(model_dir, dtype)
     pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
+    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     started = time.perf_counter()
     kept, state = pipeline.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
     metrics = pipeline.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
@@ -91,7 +91,7 @@ def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dic
 
     config = step_config(model_dir, dtype).replace(execution="colocated")
     pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
+    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     sampler = GpuMemorySampler() if on_gpu else None
     update, during_updates = dapo.colocated.train_on_batch, []
 

@@ -119,7 +119,7 @@ def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
 
     config = hf_config(model_dir, dtype)
     pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
+    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     close_cached_rollout_engine()
     if on_gpu:
         torch.cuda.synchronize()
@@ -272,7 +272,7 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
 
     config = hf_config(model_dir, dtype)
     pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, work / "policy-0")
+    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     close_cached_rollout_engine()
     options = dict(dtype=dtype, max_model_len=config.max_prompt_length + config.max_response_length, seed=config.seed)
     records, _ = pipeline.load_prompts(work / "data" / pipeline.TRAIN_FILE)

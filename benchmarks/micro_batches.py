@@ -74,7 +74,7 @@ def scored_batch(spread: str, prompts: int, samples: int, model_dir: str):
                 group_id=f"g{g}", prompt_uid=f"p{g}", sample_index=i, prompt="", ground_truth="",
                 prompt_token_ids=prompt, response_token_ids=[rng.randrange(1, 300) for _ in range(n)], response_text="",
                 rollout_log_probs=[-5.0] * n, truncated=n == MAX_RESPONSE[spread], reward=reward, acc=float(reward > 0),
-                correctness=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
+                score=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
             ))
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
 

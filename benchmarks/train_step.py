@@ -42,7 +42,7 @@ def scored_batch(prompts: int, samples: int, seed: int = 0):
                 group_id=f"g{g}", prompt_uid=f"p{g}", sample_index=i, prompt="", ground_truth="",
                 prompt_token_ids=prompt, response_token_ids=response, response_text="",
                 rollout_log_probs=[-5.0] * len(response), truncated=len(response) == 24,
-                reward=reward, acc=float(reward > 0), correctness=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
+                reward=reward, acc=float(reward > 0), score=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
             ))
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
 

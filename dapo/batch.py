@@ -23,6 +23,8 @@ ROLLOUT_SCHEMA = pa.schema(
         ("sample_index", pa.int32()),
         ("prompt", pa.string()),
         ("ground_truth", pa.string()),
+        ("data_source", pa.string()),  # chooses the row's scorer (DAPOConfig.reward_fn_by_source)
+        ("extra_info", pa.string()),  # the data row's extra_info as JSON, for the scorer
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("response_token_ids", pa.list_(pa.int32())),
         ("response_text", pa.string()),
@@ -33,10 +35,11 @@ ROLLOUT_SCHEMA = pa.schema(
 REWARD_FIELDS = [
     pa.field("reward", pa.float32()),
     pa.field("acc", pa.float32()),
-    pa.field("correctness", pa.float32()),
+    pa.field("score", pa.float32()),  # R_task, the scorer's (rewards.task_score)
     pa.field("overlong_penalty", pa.float32()),
     pa.field("format_score", pa.float32()),
-    pa.field("unverified", pa.float32()),  # 1: math-verify gave no verdict (rewards.Verdict)
+    pa.field("unverified", pa.float32()),  # 1: the scorer (math-verify) gave no verdict (rewards.TaskScore)
+    pa.field("score_metrics", pa.map_(pa.string(), pa.float32())),  # the scorer's own metrics
 ]
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + REWARD_FIELDS)
 

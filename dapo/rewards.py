@@ -48,12 +48,17 @@ import re
 import resource
 import signal
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import pebble
 from loky.backend.context import get_context
+
+from dapo.plugins import is_user_spec, load_user_function
+from dapo.plugins import resolve as resolve_plugin
 
 __all__ = [
     "extract_answer",
@@ -65,6 +70,13 @@ __all__ = [
     "overlong_penalty",
     "format_score",
     "format_reward_weight",
+    "Scorer",
+    "SCORERS",
+    "register_scorer",
+    "dapo_math",
+    "ScorerError",
+    "TaskScore",
+    "task_score",
     "score_response",
     "score_responses",
 ]
@@ -384,23 +396,29 @@ def _parse_gold(gold: str) -> list:
     return parse(gold, parsing_timeout=None)
 
 
-def _verify_in_worker(gold: str, pred: str, soft_deadline_s: float | None) -> bool | None:
-    """The pool's task, run in a worker: math-verify's parse + verify of two ``$...$`` strings,
-    or None if its soft deadline passed first.
-
-    math-verify's own timeouts are off (they use signal.alarm too); instead SIGALRM at
-    `soft_deadline_s` ends an ordinary slow case without costing a new worker. The pool
-    kills the worker at the hard limit if this does not return by then.
-    """
+def _math_verify(gold: str, pred: str) -> bool | None:
+    """math-verify's parse + verify of two ``$...$`` strings (its own timeouts off: they use
+    signal.alarm too); None when it raised (no verdict)."""
     from math_verify import parse, verify
 
+    try:
+        gold_parsed = _parse_gold(gold)
+        pred_parsed = parse(pred, parsing_timeout=None)
+        return bool(gold_parsed) and bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    except Exception as error:
+        logger.debug("math-verify failed: no verdict (%r)", error)
+        return None
+
+
+def _in_worker(task, args: tuple, soft_deadline_s: float | None):
+    """The pool's task, run in a worker: task(*args), or None if its soft deadline passed
+    first. SIGALRM at `soft_deadline_s` ends an ordinary slow case without costing a new
+    worker; the pool kills the worker at the hard limit if this does not return by then."""
     try:
         if soft_deadline_s:
             signal.setitimer(signal.ITIMER_REAL, soft_deadline_s)
         try:
-            gold_parsed = _parse_gold(gold)
-            pred_parsed = parse(pred, parsing_timeout=None)
-            return bool(gold_parsed) and bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+            return task(*args)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _SoftDeadline:  # also when it fires inside the `finally` above
@@ -425,14 +443,15 @@ class _VerifierPool:
         self._unavailable: str | None = None  # why the workers cannot start, after _MAX_POOL_FAILURES
         self._stop_at_exit: multiprocessing.util.Finalize | None = None
 
-    def verify(self, gold: str, pred: str, timeout_s: float) -> bool | None:
-        """math-verify(gold, pred) within `timeout_s` seconds of work; None when it gave no
-        verdict (time limit, an error in math-verify). Raises VerifierUnavailable."""
+    def run(self, task, args: tuple, timeout_s: float):
+        """task(*args) in a worker within `timeout_s` seconds of work; None when it gave no
+        result (the time limit, a worker that died). `task` returns None for its own
+        failures. Raises VerifierUnavailable."""
         soft = timeout_s * _SOFT_DEADLINE_FRACTION if _SOFT_DEADLINE_FRACTION else None
         while True:
             pool = self._running_pool()
             try:
-                future = pool.schedule(_verify_in_worker, (gold, pred, soft), timeout=timeout_s)
+                future = pool.schedule(_in_worker, (task, args, soft), timeout=timeout_s)
             except RuntimeError as e:  # broke since: its manager saw the workers die
                 self._discard(pool, repr(e))
                 continue
@@ -454,7 +473,7 @@ class _VerifierPool:
                 self._stop_at_exit = multiprocessing.util.Finalize(None, _stop_pool, (self._pool,), exitpriority=0)
             return self._pool
 
-    def _result(self, future: Future, timeout_s: float) -> bool | None:
+    def _result(self, future: Future, timeout_s: float):
         # Bounded wait: pebble's limit applies only once a worker has taken the task.
         wait_s = _START_TIMEOUT_S + timeout_s
         try:
@@ -465,10 +484,10 @@ class _VerifierPool:
             if not future.done():
                 future.cancel()
                 raise _PoolBroken(f"no worker took a task within {wait_s:.0f} s") from None
-            logger.debug("math-verify worker killed at the time limit: no verdict")
+            logger.debug("verifier worker killed at the time limit: no verdict")
             return None
-        except Exception as e:  # math-verify's own errors, a worker that died (ProcessExpired)
-            logger.debug("math-verify failed: no verdict (%r)", e)
+        except Exception as e:  # a worker that died (ProcessExpired: out of memory, a crash in C)
+            logger.debug("verifier worker died: no verdict (%r)", e)
             return None
         with self._lock:
             self._failures = 0
@@ -576,7 +595,7 @@ def judge_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> Verdic
     if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
         logger.debug("answer too long for math-verify (%d chars): no verdict", len(pred))
         return Verdict(False, unverified=True)
-    ok = _POOL.verify(_as_math_verify_latex(gold), _as_math_verify_latex(pred), float(timeout_s))
+    ok = _POOL.run(_math_verify, (_as_math_verify_latex(gold), _as_math_verify_latex(pred)), float(timeout_s))
     return Verdict(False, unverified=True) if ok is None else Verdict(bool(ok))
 
 
@@ -643,6 +662,106 @@ def format_reward_weight(step: int, decay_steps: int, initial_weight: float = 1.
     return float(initial_weight) * (1.0 - step / decay_steps)
 
 
+# ---------------------------------------------------------------------------------------
+# Task scorers: R_task by name, chosen per row by its data_source
+# ---------------------------------------------------------------------------------------
+
+Scorer = Callable[[str, str, dict], "float | Mapping[str, float]"]
+"""A task's reward: scorer(response, ground_truth, extra_info) -> a score, or a dict with
+"score" and any named metrics (floats). An "acc" entry (1/0) is what dynamic sampling
+filters on (else acc = 1 when score > 0); "unverified" (1/0) marks a verdict the scorer
+could not give. extra_info is the data row's extra_info with its "data_source"."""
+
+SCORERS: dict[str, Scorer] = {}
+"""Scorers by name (register_scorer): the config names one (reward_fn), or one per
+data_source (reward_fn_by_source)."""
+
+RESERVED_SCORE_KEYS = ("score", "acc", "unverified")
+
+
+def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
+    """Add a scorer to SCORERS under `name`."""
+
+    def add(scorer: Scorer) -> Scorer:
+        SCORERS[name] = scorer
+        return scorer
+
+    return add
+
+
+@register_scorer("dapo_math")
+def dapo_math(response: str, ground_truth: str, extra_info: dict) -> dict[str, float]:
+    """DAPO's rule-based reward (sec. 2.4): R_correct = +1 if is_equivalent(ŷ, a) else -1,
+    with ŷ the answer on the last "Answer:" line (else the last \\boxed{}), equal to `a`
+    after normalize_answer or by math-verify (judge_answer)."""
+    verdict = judge_answer(response, ground_truth)
+    return {"score": 1.0 if verdict.correct else -1.0, "acc": float(verdict.correct), "unverified": float(verdict.unverified)}
+
+
+class ScorerError(RuntimeError):
+    """A user's scorer raised or returned something other than a score: the message
+    names the scorer and shows its error; no reward is made up for the response."""
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """What a scorer said about one response."""
+
+    score: float
+    acc: float
+    unverified: float = 0.0
+    metrics: tuple[tuple[str, float], ...] = ()
+    """The scorer's own named metrics (train/score/<name>, val/score/<name> in MLflow)."""
+
+    @classmethod
+    def of(cls, result: object, scorer: str) -> "TaskScore":
+        """A scorer's return value as a TaskScore; ScorerError when it is not a score."""
+        values = result if isinstance(result, Mapping) else {"score": result}
+        if "score" not in values:
+            raise ScorerError(f"scorer {scorer!r} returned a dict without 'score': {sorted(values)}")
+        numbers = {}
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ScorerError(f"scorer {scorer!r} returned {key}={value!r}: every value must be a finite number")
+            numbers[str(key)] = float(value)
+        score = numbers.pop("score")
+        acc = numbers.pop("acc", 1.0 if score > 0 else 0.0)
+        unverified = numbers.pop("unverified", 0.0)
+        return cls(score, acc, unverified, tuple(sorted(numbers.items())))
+
+
+NO_VERDICT = TaskScore(score=-1.0, acc=0.0, unverified=1.0)
+"""A user's scorer that ran past its time limit (or whose worker died): DAPO's wrong
+answer, counted in train/unverified as math-verify's missing verdicts are."""
+
+
+def _user_score_in_worker(spec: str, response: str, ground_truth: str, extra_info: dict) -> tuple[str, object]:
+    """Run a user's scorer in a verifier worker: ("ok", TaskScore) or ("error", the
+    traceback as text: the scorer's own exception classes need not unpickle here)."""
+    try:
+        return "ok", TaskScore.of(load_user_function(spec, "scorer")(response, ground_truth, extra_info), spec)
+    except ScorerError as error:
+        return "error", str(error)
+    except Exception:
+        return "error", traceback.format_exc(limit=-3)
+
+
+def task_score(spec: str, response: str, ground_truth: str, extra_info: dict, timeout_s: float = 2.0) -> TaskScore:
+    """R_task of one response by the scorer `spec` names (plugins.resolve). A registered
+    scorer runs here; a user's ("module:function", "file.py:function") runs in a verifier
+    worker under the same time limit as math-verify (NO_VERDICT past it), so that a hung
+    or memory-hungry scorer cannot stall or kill the task. Raises ScorerError."""
+    if not is_user_spec(spec):
+        return TaskScore.of(resolve_plugin(spec, SCORERS, "scorer")(response, ground_truth, extra_info), spec)
+    outcome = _POOL.run(_user_score_in_worker, (spec, response, ground_truth, extra_info), timeout_s)
+    if outcome is None:
+        return NO_VERDICT
+    status, value = outcome
+    if status == "error":
+        raise ScorerError(f"scorer {spec!r} failed on a response starting {response[:80]!r}:\n{value}")
+    return value
+
+
 def score_response(
     text: str,
     ground_truth: str,
@@ -652,34 +771,52 @@ def score_response(
     buffer_len: int,
     overlong_factor: float,
     format_weight: float,
-) -> dict[str, float]:
+    scorer: str = "dapo_math",
+    extra_info: dict | None = None,
+    timeout_s: float = 2.0,
+) -> dict[str, object]:
     """Everything the pipeline records for one response y_i.
 
-    reward = R_correct + R_length * overlong_factor + format_weight * format_score
-    `acc` (1.0 / 0.0) is what dynamic sampling filters on (std of acc within a group > 0);
-    `unverified` (1.0 / 0.0) marks a verdict math-verify did not give (Verdict.unverified).
+    reward = R_task + R_length * overlong_factor + format_weight * format_score, with
+    R_task from `scorer` (task_score; dapo_math: +1 / -1). `acc` (1.0 / 0.0) is what
+    dynamic sampling filters on (std of acc within a group > 0); `unverified` (1.0 / 0.0)
+    marks a verdict the scorer did not give; `score_metrics` the scorer's own metrics.
     """
-    verdict = judge_answer(text, ground_truth)
-    correctness = 1.0 if verdict.correct else -1.0
+    task = task_score(scorer, text, ground_truth, extra_info or {}, timeout_s)
     penalty = overlong_penalty(response_length, max_len, buffer_len, overlong_factor)
     fmt = format_score(text)
     return {
-        "reward": correctness + penalty + format_weight * fmt,
-        "acc": 1.0 if verdict.correct else 0.0,
-        "correctness": correctness,
+        "reward": task.score + penalty + format_weight * fmt,
+        "acc": task.acc,
+        "score": task.score,
         "overlong_penalty": penalty,
         "format_score": fmt,
-        "unverified": 1.0 if verdict.unverified else 0.0,
+        "unverified": task.unverified,
+        "score_metrics": dict(task.metrics),
     }
 
 
 def score_responses(
-    texts: list[str], ground_truths: list[str], response_lengths: list[int], **settings: float
-) -> list[dict[str, float]]:
-    """`score_response` (same keyword `settings`) for each response of a batch, in order.
+    texts: list[str],
+    ground_truths: list[str],
+    response_lengths: list[int],
+    *,
+    scorers: list[str] | None = None,
+    extra_infos: list[dict] | None = None,
+    **settings,
+) -> list[dict[str, object]]:
+    """`score_response` (same keyword `settings`) for each response of a batch, in order;
+    scorers / extra_infos: each response's (default: settings' scorer, {}).
 
-    Several responses at a time, from threads, so that every math-verify worker has a task
+    Several responses at a time, from threads, so that every verifier worker has a task
     while others wait (benchmarks/verifier.py measures the gain).
     """
+    n = len(texts)
+    scorers = scorers or [settings.pop("scorer", "dapo_math")] * n
+    extra_infos = extra_infos or [{}] * n
+
+    def one(i: int) -> dict[str, object]:
+        return score_response(texts[i], ground_truths[i], response_lengths[i], scorer=scorers[i], extra_info=extra_infos[i], **settings)
+
     with ThreadPoolExecutor(2 * _POOL.max_workers) as threads:
-        return list(threads.map(functools.partial(score_response, **settings), texts, ground_truths, response_lengths))
+        return list(threads.map(one, range(n)))

@@ -57,17 +57,26 @@ class TaskBudget:
         """"" when the timeout covers the work, else what is wrong, naming the field and the numbers."""
         if not self.timeout_minutes or self.timeout_minutes >= self.needed_minutes:
             return ""
-        return (f"DAPOConfig.{self.timeout_field}={self.timeout_minutes}: {self.task} needs ~{self.attempt_s / 60:,.0f} min an "
+        return (f"cluster.{self.timeout_field}={self.timeout_minutes}: {self.task} needs ~{self.attempt_s / 60:,.0f} min an "
                 f"attempt ({self.work}) and ~{self.all_attempts_s / 60:,.0f} min with its "
                 f"{self.retries} retries, which Flyte ends at twice the timeout; with {HEADROOM}x headroom set "
                 f"{self.timeout_field} >= {self.needed_minutes}")
 
 
+VERL_STEP_TOKENS = 1536 * 16 * (2048 + 20480)
+"""The most tokens one of verl's 32B DAPO steps samples in a round: 1,536 prompts x G=16 x
+(prompt + response) lengths (recipe/dapo/run_dapo_qwen2.5_32b.sh, our paper_32b)."""
+
+
 def step_seconds(config: DAPOConfig) -> float:
-    """A step's wall time without restarts: measured_step_minutes, else the cost model's estimate."""
+    """A step's wall time without restarts: measured_step_minutes, else the cost model's
+    estimate (verl's 32B step scaled by parameters per GPU) scaled again by the tokens a
+    round may sample against verl's (prompts a round x G x (L_prompt + L_max)): compute
+    follows tokens, and a config with shorter responses or fewer prompts does less."""
     if config.measured_step_minutes:
         return config.measured_step_minutes * 60
-    return cost.compute_s(cost.Model.of(config))
+    tokens = config.prompts_per_round * config.n_samples_per_prompt * (config.max_prompt_length + config.max_response_length)
+    return cost.compute_s(cost.Model.of(config)) * tokens / VERL_STEP_TOKENS
 
 
 def longest_chunk(config: DAPOConfig) -> int:

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from dapo.advantages import group_advantages, group_index
 from dapo.batch import PolicyBatch, collate_table
 from dapo.config import DAPOConfig
-from dapo.loss import masked_mean, policy_loss
+from dapo.loss import LOSS_AGGREGATIONS, POLICY_LOSSES, masked_mean
 from dapo.micro_batches import plan_micro_batches
+from dapo.plugins import resolve as resolve_plugin
 
 if TYPE_CHECKING:
     from dapo.trainer import PolicyTrainer
@@ -122,23 +123,23 @@ def _rollout_diff(scored: pa.Table, old_log_probs: torch.Tensor, response_mask: 
     return total / count if count else float("nan")
 
 
-_METRIC_KEYS = ("pg_loss", "clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
-
-
 def minibatch_backward(
     trainer: PolicyTrainer, data: StepData, rows: torch.Tensor, config: DAPOConfig, temperature: float
 ) -> dict[str, float] | None:
     """Accumulate the gradient of one mini-batch's loss over micro-batches (no optimizer step).
 
-    Returns the mini-batch's metrics (token-weighted over micro-batches and ranks) with
-    "nonfinite" = 1.0 when a micro loss was not finite (its backward then poisons the
-    gradient with NaN so the step is refused everywhere), or None when the mini-batch
-    has no valid token (nothing to learn; no update).
+    The loss is config.loss_fn's token losses reduced by config.loss_agg_mode (dapo.loss).
+    Returns the mini-batch's metrics (pg_loss, and the loss's metrics token-weighted over
+    micro-batches and ranks) with "nonfinite" = 1.0 when a micro loss was not finite (its
+    backward then poisons the gradient with NaN so the step is refused everywhere), or
+    None when the mini-batch has no valid token (nothing to learn; no update).
     """
+    loss_fn = resolve_plugin(config.loss_fn, POLICY_LOSSES, "policy loss")
+    aggregation = LOSS_AGGREGATIONS[config.loss_agg_mode]
     mask = data.loss_mask[rows]
-    seq_mode = config.loss_agg_mode != "token-mean"
     total_tokens = mask.sum().item()
-    total_units = (mask.sum(dim=-1) > 0).sum().item() if seq_mode else total_tokens
+    units = lambda m: (m.sum(dim=-1) > 0).sum().item() if aggregation.unit == "sequence" else m.sum().item()  # noqa: E731
+    total_units = units(mask)
     if total_units == 0:
         return None
     chunks, per_rank = plan_micro_batches(
@@ -149,10 +150,12 @@ def minibatch_backward(
     mine += [(rows[:1], False)] * (per_rank - len(mine))  # zero-weight filler: same collectives on every rank
 
     width = data.batch.responses.shape[1]
-    if config.loss_agg_mode == "seq-mean-token-sum-norm":
-        width = max(width, config.max_response_length)  # Dr. GRPO's constant L_max, not the padded width
+    if aggregation.fixed_length:
+        width = max(width, config.max_response_length)  # the loss's constant L_max, not the padded width
 
-    sums = torch.zeros(len(_METRIC_KEYS) + 1, dtype=torch.float64)  # weighted metrics, then nonfinite flag
+    keys: list[str] = []  # pg_loss, then the loss's metrics, in the loss's order (the same on every rank)
+    sums = torch.zeros(0, dtype=torch.float64)
+    nonfinite = torch.zeros(1, dtype=torch.float64)
     trainer.train_mode(True)
     trainer.zero_grad()
     for i, (chunk, counts) in enumerate(mine):
@@ -160,35 +163,34 @@ def minibatch_backward(
         log_probs, _ = trainer.forward(micro, temperature)
         pad = width - log_probs.shape[1]
         device = log_probs.device
-        micro_mask = data.loss_mask[chunk]
-        loss, loss_metrics = policy_loss(
+        micro_mask = F.pad(data.loss_mask[chunk], (0, pad)).to(device)
+        token_loss, loss_metrics = loss_fn(
             log_probs if pad == 0 else F.pad(log_probs, (0, pad)),
             F.pad(data.old_log_probs[chunk], (0, pad)).to(device),
-            data.advantages[chunk].to(device),
-            F.pad(micro_mask, (0, pad)).to(device),
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            clip_ratio_c=config.clip_ratio_c,
-            agg=config.loss_agg_mode,
+            data.advantages[chunk].to(device).unsqueeze(-1),
+            micro_mask,
+            config,
         )
-        micro_tokens = micro_mask.sum().item()
-        micro_units = (micro_mask.sum(dim=-1) > 0).sum().item() if seq_mode else micro_tokens
-        share = micro_units / total_units if counts else 0.0
-        token_share = micro_tokens / total_tokens if counts else 0.0
-        finite = bool(torch.isfinite(loss))
-        if finite:
+        loss = aggregation.reduce(token_loss, micro_mask.to(token_loss.dtype))
+        if not keys:
+            keys = ["pg_loss", *loss_metrics]
+            sums = torch.zeros(len(keys), dtype=torch.float64)
+        share = units(micro_mask) / total_units if counts else 0.0
+        token_share = micro_mask.sum().item() / total_tokens if counts else 0.0
+        if bool(torch.isfinite(loss)):
             scaled = loss * (share * trainer.world_size)
             sums[0] += loss.item() * share
-            for k, key in enumerate(_METRIC_KEYS[1:], start=1):
-                sums[k] += loss_metrics[key] * token_share
+            for k, key in enumerate(keys[1:], start=1):
+                sums[k] += float(loss_metrics[key]) * token_share
         else:
             # NaN reaches every parameter's gradient: the backend refuses the step (all ranks agree).
             scaled = log_probs.sum() * float("nan")
-            sums[-1] = 1.0
+            nonfinite[0] = 1.0
         trainer.backward(scaled, last_micro_batch=i == len(mine) - 1)
+    sums = torch.cat([sums, nonfinite])
     if trainer.world_size > 1:
         sums = trainer.all_reduce_sum(sums)
-    out = {key: sums[k].item() for k, key in enumerate(_METRIC_KEYS)}
+    out = {key: sums[k].item() for k, key in enumerate(keys)}
     out["nonfinite"] = 1.0 if sums[-1].item() > 0 else 0.0
     return out
 
@@ -229,7 +231,7 @@ def policy_update(
     lr = lr_at(config, step)
     trainer.set_lr(lr)
 
-    totals = dict.fromkeys((*_METRIC_KEYS, "grad_norm"), 0.0)
+    totals: dict[str, float] = {}
     applied = nonfinite = empty = 0
     n_groups = len(data.group_rows)
     for epoch in range(config.ppo_epochs):
@@ -249,12 +251,13 @@ def policy_update(
                 )
                 continue
             applied += 1
-            for key in _METRIC_KEYS:
-                totals[key] += result[key]
-            totals["grad_norm"] += grad_norm
+            for key, value in (*result.items(), ("grad_norm", grad_norm)):
+                if key != "nonfinite":
+                    totals[key] = totals.get(key, 0.0) + value
     trainer.finish_step(step, applied)
 
-    metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
+    metrics = {key: float("nan") for key in ("pg_loss", "grad_norm")}  # no update applied: still on the step line
+    metrics.update({key: value / applied for key, value in totals.items()})
     metrics.update(data.metrics)
     metrics.update(
         lr=lr,

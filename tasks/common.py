@@ -12,34 +12,25 @@ from typing import Annotated
 
 from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
-from flytekit.core.task import Echo
-from flytekit.core.type_engine import DataclassTransformer, TypeEngine
 from flytekit.deck import DeckField
 from flytekit.extras.accelerators import GPUAccelerator
-from flytekit.models.literals import LiteralMap
 from flytekit.types.directory import FlyteDirectory
-from flytekit.types.structured.basic_dfs import ParquetToArrowDecodingHandler
-from flytekit.types.structured.structured_dataset import StructuredDatasetTransformerEngine
-from fsspec.core import split_protocol
 
 from dapo import checkpoint
-from dapo.config import DAPOConfig
+from dapo.config import DAPOConfig, StepConfig, section_values
 from dapo.logs import configure_logging
 
 # Bump a version when the task's code changes what it computes: cached results of the
 # old code are then not reused. One place, so a reviewer sees them all.
 CACHE_VERSIONS = {
-    # 3: typed DAPOConfig outputs (the whole config and each task's part); the presets'
-    # fingerprint: a preset or field changed in code is resolved again, never served stale
-    "resolve_config": f"3-{DAPOConfig.presets_fingerprint()}",
-    "prepare_data": "1",
+    "prepare_data": "2",  # 2: each row's whole extra_info (extra_info_json), for the scorers
     "bootstrap_policy": "1",
-    "rollout": "3",  # 3: tied-embedding reload fix
-    "verify_rewards": "3",  # 3: the unverified column (verdicts math-verify did not give)
+    "rollout": "4",  # 4: data_source and extra_info columns
+    "verify_rewards": "4",  # 4: scorers by name (the score column, the scorer's own metrics)
     "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
     "policy_step": "3",  # 3: rollout guard
-    "colocated_chunk": "1",
-    "evaluate": "3",  # 3: samples as a table, no loop state
+    "colocated_chunk": "2",  # 2: scorers by name; vLLM's colocated settings reach the engine
+    "evaluate": "4",  # 4: scorers by name
     "track": "3",  # 3: fixed-size loop state, servable-only versions, step-config run key
 }
 
@@ -202,58 +193,6 @@ def directory_output(path: str) -> FlyteDirectory:
     return FlyteDirectory(path)
 
 
-class ArrowParquetDecoder(ParquetToArrowDecodingHandler):
-    """flytekit's pyarrow.Table decoder strips s3:// from the URI and reads the rest as a
-    local path, so every table input fails with FileNotFoundError once the data is in an
-    object store (flyteorg/flyte#5859, still in flytekit 1.16): this one reads it through
-    the store's filesystem. Registered in place of flytekit's, for every protocol."""
-
-    def decode(self, ctx, flyte_value, current_task_metadata):
-        import pyarrow.parquet as pq
-
-        uri = flyte_value.uri
-        if not ctx.file_access.is_remote(uri):
-            return super().decode(ctx, flyte_value, current_task_metadata)
-        metadata_type = current_task_metadata.structured_dataset_type
-        columns = [c.name for c in metadata_type.columns] if metadata_type and metadata_type.columns else None
-        return pq.read_table(split_protocol(uri)[1], filesystem=ctx.file_access.get_filesystem_for_path(uri), columns=columns)
-
-
-StructuredDatasetTransformerEngine.register(ArrowParquetDecoder(), override=True)
-
-
-class ConfigTransformer(DataclassTransformer):
-    """flytekit's dataclass transformer for DAPOConfig, its literal type built once.
-
-    flytekit rebuilds a dataclass's literal type, JSON schema included, for every node that
-    takes one: ~0.1 s for DAPOConfig, so compiling the `train` dynamic of a 1,000-step
-    paper_32b run took ~22 s of its pod, and every 10-step chunk ~14 s. Values are encoded
-    exactly as by flytekit's own."""
-
-    def __init__(self):
-        super().__init__()
-        self._t, self._name = DAPOConfig, "DAPOConfig"
-
-    @functools.lru_cache(maxsize=1)  # noqa: B019 (one transformer per process)
-    def get_literal_type(self, t: type) -> object:
-        return super().get_literal_type(t)
-
-
-TypeEngine.register(ConfigTransformer())
-
-
-class LiteralEcho(Echo):
-    """flytekit's Echo task, run locally as FlytePropeller's echo plugin runs it on a
-    cluster: the input literal becomes the output literal unchanged. flytekit 1.16's local
-    Echo turns it into a Python value and writes that out again (a table under a new URI),
-    so every downstream cache key that includes it missed on each re-run of a local
-    execution (a policy step whose batch filled before its last round)."""
-
-    def dispatch_execute(self, ctx, input_literal_map: LiteralMap) -> LiteralMap:
-        (name,), (output,) = self.python_interface.inputs, self.python_interface.outputs
-        return LiteralMap(literals={output: input_literal_map.literals[name]})
-
-
 Checkpoint = Annotated[FlyteDirectory, HashMethod(_directory_hash)]
 """A checkpoint directory whose cache key is its content, not its (fresh) URI."""
 
@@ -277,11 +216,11 @@ def download_weights(policy: FlyteDirectory) -> str:
     return target
 
 
-def run_key(config: DAPOConfig) -> str:
-    """One run's key, from its step fields (DAPOConfig.step_dict): the same step config is
+def run_key(config: StepConfig) -> str:
+    """One run's key, from its step config (a DAPOConfig's, or one): the same step config is
     the same run (its MLflow run, its directory on trainer_shared_dir), so a resumed or
     extended execution, or one validating more often, finds them again."""
-    return hashlib.sha256(json.dumps(config.step_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(section_values(config, StepConfig).to_json().encode()).hexdigest()[:16]
 
 
 def scratch_dir(name: str, root: str = "") -> str:

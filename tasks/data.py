@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import typing
@@ -10,37 +11,38 @@ from flytekit import FlyteContextManager, Resources, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
-from dapo.config import ConfigError, DAPOConfig
+from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig, StepConfig, flat_overrides, parse_assignments, read_config_file
 from dapo.data import DataError
+from dapo.plugins import check_named_functions, user_code_digest
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
 
-DATA_FIELDS = ("train_data_path", "val_data_path", "on_bad_row", "embedded_task")
-PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b",)
+PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b", "node_7b", "one_gpu_1p5b")
 """Presets whose model is not meant for the embedded arithmetic task."""
-POLICY_FIELDS = ("model_path", "embedded_warm_start_steps", "embedded_layout_noise", "embedded_task")
 
 ResolvedConfig = typing.NamedTuple(
-    "ResolvedConfig", [("config", DAPOConfig), ("step_config", DAPOConfig), ("data_config", DAPOConfig), ("policy_config", DAPOConfig)]
+    "ResolvedConfig", [("config", DAPOConfig), ("step_config", StepConfig), ("data_config", DataConfig), ("model_config", ModelConfig)]
 )
 
 
-def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int = 0) -> DAPOConfig:
-    """The run's validated config: a preset, then overrides, then the explicit inputs (0 or
-    "" keeps the preset's)."""
-    overrides = json.loads(overrides_json) if overrides_json else {}
-    if not isinstance(overrides, dict):
+def resolve(
+    preset: str, overrides_json: str = "", total_steps: int = 0, train_data: str = "", val_data: str = "",
+    steps_per_chunk: int = 0, config_file: str = "", set: str = "",
+) -> DAPOConfig:
+    """The run's validated config: a preset, then a YAML config file, the JSON overrides,
+    the dotted assignments of `set`, and the explicit inputs (0 or "" keeps what is there),
+    with the digest of the user's functions it names (plugins.user_code_digest)."""
+    overrides = read_config_file(local_copy(config_file)) if config_file else {}
+    from_json = json.loads(overrides_json) if overrides_json else {}
+    if not isinstance(from_json, dict):
         raise ValueError(f"overrides_json must be a JSON object, got {overrides_json!r}")
-    if total_steps:
-        overrides["total_steps"] = total_steps
-    if train_data:
-        overrides["train_data_path"] = train_data
-    if val_data:
-        overrides["val_data_path"] = val_data
-    if steps_per_chunk:
-        overrides["steps_per_chunk"] = steps_per_chunk
+    overrides = {**flat_overrides(overrides), **flat_overrides(from_json), **flat_overrides(parse_assignments(set))}
+    explicit = {"total_steps": total_steps, "train_data_path": train_data, "val_data_path": val_data, "steps_per_chunk": steps_per_chunk}
+    overrides.update({name: value for name, value in explicit.items() if value})
     config = DAPOConfig.preset(preset, overrides)
+    check_named_functions(config)
+    config = config.replace(user_code_digest=user_code_digest(config))
     if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
         raise ConfigError(
             f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
@@ -49,30 +51,33 @@ def resolve(preset: str, overrides_json: str, total_steps: int, train_data: str,
     return config
 
 
-@task(cache=cache("resolve_config"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
+# Not cached: what it reads besides its inputs (a config file, the user's functions) may
+# have changed since; it is one small pod, and its outputs key every other task's cache.
+@task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
 @task_entry
 def resolve_config(
-    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int
+    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int, config_file: str,
+    set: str,
 ) -> ResolvedConfig:
-    """The run's validated config (resolve), and the configs tasks are cached on, each with
-    only the fields its outputs depend on (DAPOConfig.only): the step config for the step
-    tasks, the data and policy fields for prepare_data and bootstrap_policy (shared by
-    runs that differ elsewhere). Invalid values, and timeouts that cannot cover their
-    tasks' work (dapo.run_budget), fail here, before any other work."""
-    config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk)
-    return ResolvedConfig(config, config.step_config(), config.only(DATA_FIELDS), config.only(POLICY_FIELDS))
+    """The run's validated config (resolve), and the sections tasks are cached on, each
+    what its outputs depend on: the step config for the step tasks, the data and model
+    sections for prepare_data and bootstrap_policy (shared by runs that differ elsewhere).
+    Invalid values, and timeouts that cannot cover their tasks' work (dapo.run_budget),
+    fail here, before any other work."""
+    config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk, config_file, set)
+    return ResolvedConfig(config, config.step_config(), config.section("data"), config.section("model"))
 
 
 @task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
 @task_entry
-def prepare_data(config: DAPOConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
+def prepare_data(config: DataConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
     """Validated, de-duplicated train and validation parquet files.
 
-    Cached on the data fields of the config only, so runs that differ in anything
-    else (an ablation, another clip range) share one copy of the data.
+    Cached on the data section only, so runs that differ in anything else (an
+    ablation, another clip range) share one copy of the data.
     """
     out_dir = scratch_dir("data")
-    config = config.replace(train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
+    config = dataclasses.replace(config, train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
     stats = pipeline.prepare_data(config, out_dir)
     return directory_output(out_dir), stats
 
@@ -94,10 +99,11 @@ def local_copy(path: str, directory: bool = False) -> str:
 
 @task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
 @task_entry
-def bootstrap_policy(config: DAPOConfig) -> Checkpoint:
-    """The step-0 checkpoint: the embedded tiny policy (warm-started) or the configured model.
+def bootstrap_policy(config: ModelConfig, embedded_task: str) -> Checkpoint:
+    """The step-0 checkpoint: the embedded tiny policy (warm-started on embedded_task) or
+    the configured model.
 
-    Cached on the policy fields of the config only (shared across ablation variants).
+    Cached on the model section and the embedded task only (shared across ablation variants).
     """
     from tqdm import tqdm
 
@@ -108,5 +114,6 @@ def bootstrap_policy(config: DAPOConfig) -> Checkpoint:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        pipeline.bootstrap_policy(config.replace(model_path=local_copy(config.model_path, directory=True)), out_dir, progress=progress)
+        model = dataclasses.replace(config, model_path=local_copy(config.model_path, directory=True))
+        pipeline.bootstrap_policy(model, embedded_task, out_dir, progress=progress)
     return directory_output(out_dir)

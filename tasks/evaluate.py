@@ -10,7 +10,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline, report
 from images.specs import ROLLOUT_IMAGE
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
 
 EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", pa.Table)])
@@ -25,7 +25,7 @@ would make an inline list larger than Flyte keeps in a node's outputs."""
     **DECKS,
 )
 @task_entry
-def evaluate(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
+def evaluate(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
     """avg@k accuracy at the validation sampling settings, with sample completions."""
     metrics, samples = pipeline.evaluate(config, download_weights(policy), data.download(), step)
     Deck("Sample completions", report.html_table(samples))

@@ -10,8 +10,9 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import pipeline
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from dapo.config import DAPOConfig
-from tasks.common import Checkpoint, LiteralEcho, cache, download_weights, ROLLOUT_POD, task_entry
+from dapo.config import StepConfig
+from tasks.common import Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
+from tasks.flytekit_fixes import LiteralEcho
 
 RoundResult = typing.Tuple[pa.Table, str, bool]
 """(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
@@ -24,7 +25,7 @@ branches of a round's conditional (sample_round, keep_round) return these."""
     **ROLLOUT_POD,
 )
 @task_entry
-def rollout(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
+def rollout(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
     """G sampled responses per prompt of this round's slice `shard`, with the sampler's token
     log-probs; the shard's rollout metrics ride in the table's schema metadata (map tasks
     take one output)."""
@@ -41,14 +42,14 @@ def rollout(config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: 
 
 @task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
 @task_entry
-def verify_rewards(config: DAPOConfig, responses: pa.Table, step: int) -> pa.Table:
+def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Table:
     """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
     return pipeline.verify_rewards(config, responses, step)
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
-def filter_groups(config: DAPOConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
+def filter_groups(config: StepConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
     state = pipeline.SamplingState.from_json(sampling_state)
     round_table, rollout_metrics = pipeline.merge_shards(scored)

@@ -21,7 +21,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 
 from dapo import pipeline, report, tracking
-from dapo.config import DAPOConfig
+from dapo.config import DAPOConfig, StepConfig
 from images.specs import CPU_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
 from tasks.data import resolve
@@ -116,7 +116,7 @@ def execution_name() -> str:
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 @task_entry
-def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
+def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
     "Tracking", [("target_json", str), ("loop_state", str)]
 ):
     """Bind the run (its step config) to one MLflow run, found again when the run is resumed
@@ -124,7 +124,7 @@ def start_tracking(config: DAPOConfig, tracking_uri: str, experiment: str, data_
     target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config), f"dapo-{execution_name()}")
     target_json = json.dumps(target.__dict__)
     state = LoopState()
-    deliver(state, target_json, [tracking.params_record(config.step_dict()), tracking.metrics_record(0, data_stats)])
+    deliver(state, target_json, [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)])
     return target_json, state.to_json()
 
 
@@ -138,7 +138,7 @@ def report_step(state: LoopState, target_json: str, step: int, step_metrics: dic
 
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
-def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
+def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
     state = LoopState.from_json(loop_state)
     state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
@@ -150,7 +150,7 @@ def log_step(config: DAPOConfig, target_json: str, loop_state: str, step: int, s
 @task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_chunk(
-    config: DAPOConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
+    config: StepConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
 ) -> str:
     """After a colocated chunk, which printed and logged each of its steps as it ended: the
     records it could not deliver (its outbox), then every step's metrics once more, which
@@ -246,7 +246,7 @@ def val_acc_curve(target: tracking.RunTarget, run_id: str) -> str:
 @task_entry
 def end_failed_run(
     preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
-    mlflow_experiment: str, model_name: str, steps_per_chunk: int, err: typing.Optional[FlyteError] = None,
+    mlflow_experiment: str, model_name: str, steps_per_chunk: int, config_file: str, set: str, err: typing.Optional[FlyteError] = None,
 ) -> None:
     """dapo_loop's failure handler: the run's MLflow run (if it was started) ends KILLED or
     FAILED (tracking.ended_status), with the error as a tag, instead of staying RUNNING.
@@ -254,7 +254,7 @@ def end_failed_run(
     Flyte runs no failure handler for an execution aborted by hand (or whose process
     dies): its run stays RUNNING until the next execution of the config goes on with it."""
     try:
-        config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk)
+        config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk, config_file, set)
     except Exception as error:  # the config itself was the failure: no run was started
         logger.warning("dapo_loop failed before its MLflow run started: %s", error)
         return

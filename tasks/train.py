@@ -17,7 +17,7 @@ from flytekit.core.tracker import TrackedInstance
 from flytekitplugins.kfpytorch import Elastic
 
 from dapo import pipeline, report
-from dapo.config import DAPOConfig
+from dapo.config import DAPOConfig, StepConfig
 from dapo.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
@@ -33,7 +33,7 @@ def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> di
     return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
 
 
-def step_output_dir(config: DAPOConfig, step: int, input_dir: str) -> str:
+def step_output_dir(config: StepConfig, step: int, input_dir: str) -> str:
     """Where the step writes its checkpoint: the task's sandbox, or with several nodes a
     directory of this run under trainer_shared_dir (all ranks write their shards there).
 
@@ -51,7 +51,7 @@ def step_output_dir(config: DAPOConfig, step: int, input_dir: str) -> str:
 
 @task(**trainer_pod(gpus=1))
 @task_entry
-def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step(config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
     """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint.
 
     Under torch elastic every rank runs this body: the checkpoint directory is made by
@@ -68,7 +68,7 @@ def policy_step(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, samplin
     return StepOutput(directory_output(out_dir), metrics)
 
 
-def policy_step_elastic(config: DAPOConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step_elastic(config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
     """policy_step's body, as the function of its Elastic tasks (elastic_task)."""
     return policy_step.task_function(config, policy, batch, sampling_state, step)
 
@@ -134,7 +134,7 @@ ColocatedOutput = typing.NamedTuple(
 )
 
 
-def records_dir(config: DAPOConfig, policy: FlyteDirectory, first_step: int) -> str:
+def records_dir(config: StepConfig, policy: FlyteDirectory, first_step: int) -> str:
     """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated):
     <root>/run-<run key>/chunk-<first step>-<input checkpoint's hash>. Its last step is not
     part of the name: the chunk run again (a retry, a resumed execution) finds its records,
@@ -196,7 +196,7 @@ def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict
 @task(**chunk_pod(gpus=1))
 @task_entry
 def colocated_chunk(
-    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
+    config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
     checkpoint_every: int,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
@@ -227,7 +227,7 @@ def colocated_chunk(
 
 
 def colocated_chunk_elastic(
-    config: DAPOConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
+    config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
     checkpoint_every: int,
 ) -> ColocatedOutput:
     """colocated_chunk's body, as the function of its Elastic tasks (elastic_task)."""

@@ -13,3 +13,11 @@ def s3(tmp_path_factory):
         yield endpoint
     finally:
         stop(process)
+
+
+@pytest.fixture(scope="session")
+def policy_dir(tmp_path_factory) -> str:
+    """The tiny policy, built once per pytest session (policy_steps.shared_tiny_policy)."""
+    from policy_steps import shared_tiny_policy
+
+    return shared_tiny_policy(tmp_path_factory)

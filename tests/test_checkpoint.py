@@ -147,10 +147,7 @@ def test_overwrite_replaces_and_can_be_refused(tmp_path):
 
 
 def test_trainer_save_crash_keeps_the_previous_checkpoint(tmp_path_factory, tmp_path, monkeypatch):
-    try:  # pytest's default (prepend) import mode puts tests/ itself on sys.path
-        from test_trainer import make_config, scored_table, shared_tiny_policy
-    except ImportError:
-        from tests.test_trainer import make_config, scored_table, shared_tiny_policy
+    from policy_steps import make_config, scored_table, shared_tiny_policy
     from dapo.trainer import make_trainer
     from dapo.update import policy_update
 

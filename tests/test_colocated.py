@@ -21,12 +21,8 @@ from dapo.colocated import run_colocated
 from dapo.config import DAPOConfig
 from dapo.rollout import close_cached_rollout_engine
 
-try:
-    from test_rollout import one_torch_thread
-    from test_trainer import shared_tiny_policy
-except ImportError:  # run from the repo root as a package
-    from tests.test_rollout import one_torch_thread
-    from tests.test_trainer import shared_tiny_policy
+from engines import one_torch_thread
+from policy_steps import shared_tiny_policy
 
 COMPARED = ("rollout/tokens", "sampling/kept_groups", "sampling/rounds", "train/reward_mean", "train/acc", "actor/pg_loss",
             "actor/grad_norm", "actor/num_updates", "step/skipped")

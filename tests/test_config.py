@@ -71,7 +71,7 @@ def test_execution_mode_defaults_and_is_no_part_of_the_step_config():
     colocated = DAPOConfig.tiny_cpu().replace(execution="colocated")
     assert colocated.execution == "colocated"
     # both modes compute the same steps: switching keeps the step tasks' cache keys
-    assert "execution" not in colocated.step_dict() and colocated.step_config() == DAPOConfig.tiny_cpu().step_config()
+    assert not hasattr(colocated.step_config(), "execution") and colocated.step_config() == DAPOConfig.tiny_cpu().step_config()
     # over several ranks: 32 engines of 4 GPUs on 16 x 8 trainer GPUs, one rollout shard each
     assert DAPOConfig.paper_32b().replace(execution="colocated").rollout_groups == 32
     with pytest.raises(ConfigError, match="rollout_shards=20: must be a multiple of the 32 vLLM engines"):
@@ -85,7 +85,7 @@ def test_execution_mode_defaults_and_is_no_part_of_the_step_config():
 
 
 def test_unknown_fields_and_presets_are_refused():
-    with pytest.raises(ConfigError, match="unknown DAPOConfig field\\(s\\): clip_hgh"):
+    with pytest.raises(ConfigError, match="unknown config field 'clip_hgh'; did you mean algorithm.clip_high"):
         DAPOConfig.from_dict({"clip_hgh": 0.3})
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         DAPOConfig.preset("huge")
@@ -97,15 +97,108 @@ def test_round_trip_and_overrides():
     assert DAPOConfig.from_dict(c.to_dict()) == c
 
 
-def test_a_preset_changed_in_code_changes_the_cache_version_of_its_resolution(monkeypatch):
-    """resolve_config is cached on the preset's name: were its version blind to the presets'
-    values, a run after an upgrade that changed tiny_cpu would get the old tiny_cpu from the
-    cache, its new fields at their defaults."""
-    from tasks import common
+def test_resolve_config_is_not_cached_so_an_edited_config_file_is_read_again(tmp_path):
+    """Its key would be the file's name, not its content (nor a preset's values after an
+    upgrade, nor a user's function's code): the run's config is read afresh every time."""
+    from tasks.data import resolve, resolve_config
 
-    before = DAPOConfig.presets_fingerprint()
-    assert common.CACHE_VERSIONS["resolve_config"].endswith(before)
-    tiny = DAPOConfig.tiny_cpu
-    monkeypatch.setattr(DAPOConfig, "tiny_cpu", classmethod(lambda cls: tiny().replace(max_tokens_per_micro_batch=8192)))
-    assert DAPOConfig.preset("tiny_cpu").max_tokens_per_micro_batch == 8192
-    assert DAPOConfig.presets_fingerprint() != before
+    assert not resolve_config.metadata.cache
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  clip_high: 0.3\n")
+    assert resolve("tiny_cpu", config_file=str(path)).clip_high == 0.3
+    path.write_text("algorithm:\n  clip_high: 0.25\n")
+    assert resolve("tiny_cpu", config_file=str(path)).clip_high == 0.25
+
+
+def test_overrides_by_section_dotted_or_flat_give_the_same_config():
+    by_section = DAPOConfig.preset("tiny_cpu", {"algorithm": {"clip_high": 0.3}, "rollout": {"temperature": 0.9}})
+    dotted = DAPOConfig.preset("tiny_cpu", {"algorithm.clip_high": 0.3, "rollout.temperature": 0.9})
+    flat = DAPOConfig.preset("tiny_cpu", {"clip_high": 0.3, "temperature": 0.9})  # the JSON of earlier releases
+    assert by_section == dotted == flat and flat.clip_high == 0.3 and flat.temperature == 0.9
+    assert DAPOConfig.from_dict(flat.to_dict()) == flat
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algorithm.temperature": 1.0}, "'algorithm.temperature': temperature is in section 'rollout' \\(rollout.temperature\\)"),
+    ({"rollout.clip_hihg": 0.2}, "unknown config field 'rollout.clip_hihg'; did you mean algorithm.clip_high"),
+    ({"trainer.lr": "fast"}, "trainer.lr='fast': must be float"),
+    ({"algorithm.filter_metric": "score"}, "algorithm.filter_metric='score': must be one of \\('acc', 'reward'\\)"),
+    ({"trainer.zero_stage": 4}, "trainer.zero_stage=4: must be one of \\(0, 1, 2, 3\\)"),
+    ({"model.embedded_warm_start_steps": 1.5}, "model.embedded_warm_start_steps=1.5: must be int"),
+])
+def test_a_misplaced_misspelt_or_mistyped_field_is_refused_naming_it(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        DAPOConfig.preset("tiny_cpu", overrides)
+
+
+def test_set_assignments_read_values_as_yaml_and_apply_after_the_file_and_the_json(tmp_path):
+    from dapo.config import parse_assignments
+    from tasks.data import resolve
+
+    assert parse_assignments("algorithm.clip_high=0.2 trainer.lr=1e-6 rollout.max_rollout_logprob_gap=null "
+                             "algorithm.dynamic_sampling=false 'run.extra={team: rl}' model.model_path='/models/a b'") == {
+        "algorithm.clip_high": 0.2, "trainer.lr": 1e-6, "rollout.max_rollout_logprob_gap": None,
+        "algorithm.dynamic_sampling": False, "run.extra": {"team": "rl"}, "model.model_path": "/models/a b",
+    }
+    with pytest.raises(ConfigError, match="expected section.field=value"):
+        parse_assignments("algorithm.clip_high")
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm: {clip_high: 0.3, clip_low: 0.1}\nrollout.temperature: 0.8\ntotal_steps: 4\n")
+    config = resolve("tiny_cpu", overrides_json='{"clip_low": 0.15}', total_steps=6, config_file=str(path), set="algorithm.clip_high=0.25")
+    assert (config.clip_high, config.clip_low, config.temperature, config.total_steps) == (0.25, 0.15, 0.8, 6)
+
+
+def test_every_field_is_in_one_section_has_help_and_the_command_line_lists_it():
+    import dataclasses
+    import subprocess
+    import sys
+
+    from dapo.cli import field_help
+    from dapo.config import SECTION_OF, SECTIONS
+
+    assert set(SECTION_OF) == {f.name for f in dataclasses.fields(DAPOConfig)}
+    assert sum(len(dataclasses.fields(section)) for section in SECTIONS.values()) == len(SECTION_OF)  # each in one section
+    undocumented = [f"{name}.{f.name}" for name, section in SECTIONS.items() for f in dataclasses.fields(section)
+                    if not field_help(section).get(f.name)]
+    assert not undocumented
+    shown = subprocess.run([sys.executable, "-m", "dapo", "config", "--preset", "node_7b"], capture_output=True, text=True, check=True).stdout
+    for name, section in SECTIONS.items():
+        assert f"[{name}]" in shown
+        for f in dataclasses.fields(section):
+            assert f"\n  {name}.{f.name}: " in shown
+    assert "  rollout.tensor_parallel_size: int = 4\n" in shown  # node_7b's value
+    refused = subprocess.run([sys.executable, "-m", "dapo", "config", "--set", "trainer.lr=x"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "trainer.lr='x': must be float" in refused.stderr
+
+
+def test_a_yaml_written_by_the_command_line_reads_back_as_the_same_config(tmp_path):
+    import subprocess
+    import sys
+
+    from tasks.data import resolve
+
+    text = subprocess.run([sys.executable, "-m", "dapo", "config", "--preset", "paper_32b", "--yaml", "--set", "algorithm.clip_high=0.3"],
+                          capture_output=True, text=True, check=True).stdout
+    (tmp_path / "run.yaml").write_text(text)
+    assert resolve("tiny_cpu", config_file=str(tmp_path / "run.yaml")) == DAPOConfig.paper_32b().replace(clip_high=0.3)
+
+
+def test_the_step_config_is_a_type_without_the_runs_shape_or_pods():
+    from dapo.config import StepConfig
+
+    config = DAPOConfig.paper_32b()
+    step = config.step_config()
+    assert type(step) is StepConfig and not hasattr(step, "total_steps") and not hasattr(step, "stage_timeout_minutes")
+    assert step.clip_ratio_c == 10.0 and step.tensor_parallel_size == 4
+    # an extended, re-chunked, re-timed run keeps its step config: every computed step is reused
+    longer = config.replace(total_steps=2000, val_every=25, steps_per_chunk=25, chunk_timeout_minutes=3000, task_retries=5)
+    assert longer.step_config() == step
+
+
+@pytest.mark.parametrize("preset", ["one_gpu_1p5b", "node_7b", "paper_32b"])
+def test_every_gpu_preset_passes_its_run_budget(preset):
+    from dapo import run_budget
+
+    config = DAPOConfig.preset(preset)  # validation runs the run budget, as timeouts are set
+    budgets = run_budget.task_budgets(config)
+    assert budgets and all(b.timeout_minutes >= b.needed_minutes for b in budgets), run_budget.budget_lines(config)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from dapo import checkpoint
 from tasks import train
-from test_trainer import make_config, scored_table, shared_tiny_policy
+from policy_steps import make_config, scored_table, shared_tiny_policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 

@@ -289,7 +289,7 @@ def paper_dag(tmp_path, **overrides):
     last chunk (train_chunk), as DynamicJobSpecs (their futures.pb)."""
     config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000, **overrides)
     common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
-    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", policy_config=config.only(["model_path"]), **common)
+    train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", model_config=config.section("model"), **common)
     first, last = chunk_ranges(config)[-1]
     chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=first, last_step=last, **common)
     return train_spec, chunk_spec

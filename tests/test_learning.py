@@ -43,7 +43,7 @@ def short_run(root: Path, seed: int) -> tuple[dict, dict]:
     data, policy = str(root / "data"), str(root / "policy-0")
     if not (root / "data").exists():
         pipeline.prepare_data(config, data)
-        pipeline.bootstrap_policy(config, policy)
+        pipeline.bootstrap_policy(config, config.embedded_task, policy)
     try:
         before, _ = pipeline.evaluate(config, policy, data, step=0)
         result = run_colocated(config, policy, data, first_step=0, n_steps=STEPS, out_root=root / f"records-{seed}")

@@ -18,7 +18,7 @@ from dapo.config import ConfigError
 from dapo.micro_batches import by_token_budget, deal_to_ranks, micro_batch_cost, plan_micro_batches
 from dapo.trainer import make_trainer
 from dapo.update import policy_update
-from test_trainer import G, accumulate, make_config, max_diff, policy_dir, weights_of  # noqa: F401 (policy_dir: a fixture)
+from policy_steps import G, accumulate, make_config, max_diff, weights_of
 
 MAX_PROMPT, MAX_RESPONSE = 16, 48
 BUDGET = 160
@@ -43,7 +43,7 @@ def mixed_table(groups: int = 4, seed: int = 0, long_row: int | None = None) -> 
                 group_id=f"g{g}", prompt_uid=f"p{g}", sample_index=i, prompt="", ground_truth="",
                 prompt_token_ids=prompt, response_token_ids=response, response_text="",
                 rollout_log_probs=[-5.0] * length, truncated=i == 3, reward=reward, acc=float(reward > 0),
-                correctness=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
+                score=reward, overlong_penalty=0.0, format_score=0.0, unverified=0.0,
             ))
     return pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
 

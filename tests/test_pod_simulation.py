@@ -322,7 +322,7 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
 
     from dapo.colocated import run_colocated
     from dapo.rollout import close_cached_rollout_engine
-    from test_rollout import one_torch_thread
+    from engines import one_torch_thread
 
     chunks = [(node, t) for node, t in emitted(sim) if podsim.task_name(t) == "train_chunk"]
     assert chunks, "train_chunk was never emitted: " + failure(sim)

@@ -451,8 +451,8 @@ def test_score_response_correct_inside_buffer_with_format():
         overlong_factor=1.0,
         format_weight=0.5,
     )
-    assert set(out) == {"reward", "acc", "correctness", "overlong_penalty", "format_score", "unverified"}
-    assert out["acc"] == 1.0 and out["correctness"] == 1.0
+    assert set(out) == {"reward", "acc", "score", "overlong_penalty", "format_score", "unverified", "score_metrics"}
+    assert out["acc"] == 1.0 and out["score"] == 1.0
     assert out["overlong_penalty"] == pytest.approx(-0.5)
     assert out["format_score"] == 1.0
     assert out["reward"] == pytest.approx(1.0 - 0.5 + 0.5)
@@ -468,7 +468,8 @@ def test_score_response_wrong_truncated_no_format():
         overlong_factor=1.0,
         format_weight=1.0,
     )
-    assert out == {"reward": -2.0, "acc": 0.0, "correctness": -1.0, "overlong_penalty": -1.0, "format_score": 0.0, "unverified": 0.0}
+    assert out == {"reward": -2.0, "acc": 0.0, "score": -1.0, "overlong_penalty": -1.0, "format_score": 0.0, "unverified": 0.0,
+                   "score_metrics": {}}
 
 
 def test_score_response_paper_setting_ignores_format():

@@ -12,13 +12,11 @@ max |diff| 9.5e-7 at temperatures 1.0 and 0.7 (tolerance below: 1e-4).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ import torch
 from dapo.batch import collate, response_log_probs
 from dapo.data import load_prompts, make_arithmetic_table, render_prompt
 from dapo.policy import TinyPolicySpec, build_tiny_policy
+from engines import VLLM_MARKS, needs_vllm, one_torch_thread
 from dapo.rollout import (
     Completion,
     SamplingSettings,
@@ -36,34 +35,11 @@ from dapo.rollout import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-VLLM_MARKS = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-]
-
-
-def needs_vllm(test):
-    for mark in VLLM_MARKS:
-        test = mark(test)
-    return test
-
 LOG_PROB_TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| 9.5e-7
 ENGINE_SETTINGS = dict(dtype="float32", max_model_len=256, seed=0)
 
 
 # --- fixtures ---------------------------------------------------------------------
-@contextmanager
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    spin-waiting made these tests 5x slower (vLLM serves with 1 thread for the same reason)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():
     with one_torch_thread():

@@ -17,10 +17,7 @@ from dapo.batch import SCORED_SCHEMA, collate_table, response_log_probs
 from dapo.config import ConfigError, DAPOConfig
 from dapo.pipeline import RolloutMismatch, SamplingState, check_rollout_guard, policy_step
 
-try:
-    from test_trainer import make_config, scored_table, shared_tiny_policy
-except ImportError:  # run from the repo root as a package
-    from tests.test_trainer import make_config, scored_table, shared_tiny_policy
+from policy_steps import make_config, scored_table, shared_tiny_policy
 
 
 @pytest.fixture(scope="module")

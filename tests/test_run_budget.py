@@ -21,7 +21,7 @@ def test_a_32b_chunk_that_outlasts_its_timeout_is_refused_naming_the_field_and_t
     with pytest.raises(ConfigError) as refused:
         PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=240, val_every=5)
     message = str(refused.value)
-    assert message.startswith("DAPOConfig.stage_timeout_minutes=240: a colocated chunk needs ~")
+    assert message.startswith("cluster.stage_timeout_minutes=240: a colocated chunk needs ~")
     assert "5 steps of" in message and "set stage_timeout_minutes >= " in message and "31.3 min from the cost model" in message
     needed = int(message.split("set stage_timeout_minutes >= ")[1].split()[0])
     PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed, val_every=5)  # the number it names suffices
@@ -30,7 +30,7 @@ def test_a_32b_chunk_that_outlasts_its_timeout_is_refused_naming_the_field_and_t
 
 
 def test_longer_chunks_need_a_longer_chunk_timeout_and_a_measured_step_time_replaces_the_estimate():
-    with pytest.raises(ConfigError, match=r"DAPOConfig.chunk_timeout_minutes=2160: a colocated chunk .*\(100 steps of"):
+    with pytest.raises(ConfigError, match=r"cluster.chunk_timeout_minutes=2160: a colocated chunk .*\(100 steps of"):
         PAPER.replace(steps_per_chunk=100, val_every=100)
     faster = PAPER.replace(measured_step_minutes=10.0, steps_per_chunk=100, val_every=100)  # measured: 10-minute steps
     chunk = next(b for b in run_budget.task_budgets(faster) if b.task == "a colocated chunk")
@@ -68,7 +68,7 @@ def test_the_budget_prices_the_configs_own_cluster():
     assert run_budget.step_seconds(half) == pytest.approx(2 * cluster_cost.VERL_STEP_S)
 
 
-@pytest.mark.parametrize("field", ["steps_per_chunk", "chunk_timeout_minutes", "measured_step_minutes"])
+@pytest.mark.parametrize("field", ["run.steps_per_chunk", "cluster.chunk_timeout_minutes", "cluster.measured_step_minutes"])
 def test_budget_fields_reject_bad_values(field):
-    with pytest.raises(ConfigError, match=f"DAPOConfig.{field}="):
-        DAPOConfig.tiny_cpu().replace(**{field: -1})
+    with pytest.raises(ConfigError, match=f"{field}="):
+        DAPOConfig.tiny_cpu().updated({field: -1})

@@ -18,10 +18,7 @@ from dapo.config import DAPOConfig
 from dapo.policy_matrix import PolicyLayout, build_policy, perturbed_copy
 from dapo.rollout import SamplingSettings, cached_rollout_engine, close_cached_rollout_engine
 
-try:
-    from test_rollout import VLLM_MARKS, one_torch_thread
-except ImportError:
-    from tests.test_rollout import VLLM_MARKS, one_torch_thread
+from engines import VLLM_MARKS, one_torch_thread
 
 pytestmark = VLLM_MARKS
 TOLERANCE = 1e-4  # fp32 on both sides; measured max 2e-6

@@ -40,7 +40,7 @@ from flytekit import Resources, conditional, dynamic, map_task, workflow
 from flytekit.core.workflow import PythonFunctionWorkflow
 from flytekit.types.directory import FlyteDirectory
 
-from dapo.config import DAPOConfig
+from dapo.config import DAPOConfig, ModelConfig, StepConfig
 from dapo.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE
 from tasks.common import (
@@ -69,7 +69,7 @@ def _sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
     rollout_pod, reward_pod, filter_pod = rollout_settings(config), cpu_settings(config, cpu=4, mem_gib=8), cpu_settings(config)
 
     def sample_round(
-        step_config: DAPOConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
+        step_config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
         kept: typing.Optional[pa.Table], sampling_state: str,
     ) -> RoundResult:
         responses = map_task(functools.partial(rollout, config=step_config, policy=policy, data=data, step=step,
@@ -92,7 +92,7 @@ def keep_round(batch: pa.Table, sampling_state: str, done: bool) -> RoundResult:
 
 
 def evaluate_and_register(
-    config: DAPOConfig, step_config: DAPOConfig, target_json: str, loop_state, policy, data, step: int, model_name: str
+    config: DAPOConfig, step_config: StepConfig, target_json: str, loop_state, policy, data, step: int, model_name: str
 ):
     """evaluate (a rollout-shaped pod) then register_model; returns the new loop state."""
     eval_metrics, samples = evaluate(config=step_config, policy=policy, data=data, step=step).with_overrides(**rollout_settings(config))
@@ -102,7 +102,7 @@ def evaluate_and_register(
 
 @dynamic(**DYNAMIC_POD)
 def train_chunk(
-    config: DAPOConfig, step_config: DAPOConfig, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
+    config: DAPOConfig, step_config: StepConfig, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
     first_step: int, last_step: int, model_name: str,
 ) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str)]):
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
@@ -136,7 +136,7 @@ def train_chunk(
     return policy, loop_state
 
 
-def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: str, data, policy, loop_state, first_step: int,
+def colocated_steps(config: DAPOConfig, step_config: StepConfig, target_json: str, data, policy, loop_state, first_step: int,
                     last_step: int, model_name: str):
     """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
     tasks.train.colocated_chunk_for), then log_chunk; validated on the chunk's last
@@ -155,14 +155,14 @@ def colocated_steps(config: DAPOConfig, step_config: DAPOConfig, target_json: st
 
 @dynamic(**DYNAMIC_POD)
 def train(
-    config: DAPOConfig, step_config: DAPOConfig, policy_config: DAPOConfig, target_json: str, data: FlyteDirectory, loop_state: str,
+    config: DAPOConfig, step_config: StepConfig, model_config: ModelConfig, target_json: str, data: FlyteDirectory, loop_state: str,
     model_name: str,
 ) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
     """The starting policy, its validation, then the step loop as a chain of chunks.
 
-    config shapes the DAG and its pods; the tasks get step_config and policy_config
-    (resolve_config), which hold only the fields their outputs depend on."""
-    policy = bootstrap_policy(config=policy_config).with_overrides(**bootstrap_settings(config))
+    config shapes the DAG and its pods; the tasks get step_config and model_config
+    (resolve_config), the sections their outputs depend on."""
+    policy = bootstrap_policy(config=model_config, embedded_task=config.embedded_task).with_overrides(**bootstrap_settings(config))
     loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
     for first, last in chunk_ranges(config):
         policy, loop_state = train_chunk(
@@ -183,28 +183,40 @@ def dapo_loop(
     mlflow_experiment: str = "dapo",
     model_name: str = "dapo-policy",
     steps_per_chunk: int = 0,
+    config_file: str = "",
+    set: str = "",
 ) -> typing.NamedTuple("DapoResult", [("policy", Checkpoint), ("summary", RunSummary)]):
     """DAPO training. Defaults: the embedded tiny policy and arithmetic task, local MLflow.
 
-    preset: tiny_cpu | paper_32b; overrides_json: DAPOConfig fields as JSON, e.g.
-    '{"clip_high": 0.2}'; total_steps: 0 keeps the preset's; train_data / val_data:
-    verl-format parquet paths or URIs (s3://..., gs://...); mlflow_tracking_uri: "" =
-    $MLFLOW_TRACKING_URI or ./mlflow.db; model_name: the MLflow registered model;
-    steps_per_chunk: steps a train_chunk node holds, 0 keeps the preset's.
+    `python -m dapo config --preset NAME` lists every field of the config by section
+    (model, data, reward, algorithm, rollout, validation, trainer, run, cluster) with its
+    value and help.
 
     Run again with more total_steps (or another val_every, model_name, tags) to extend a
     run: the steps already computed come from the cache and the same MLflow run goes on.
     Returns the final checkpoint and the run's summary (accuracies, champion version,
     MLflow run id); the run ends FINISHED, or FAILED if the execution fails.
+
+    :param preset: tiny_cpu | one_gpu_1p5b | node_7b | paper_32b (python -m dapo config --presets)
+    :param overrides_json: config fields as JSON, by section or flat: '{"algorithm": {"clip_high": 0.2}}'
+    :param total_steps: 0 keeps the preset's
+    :param train_data: verl-format parquet path or URI (s3://..., gs://...)
+    :param val_data: verl-format parquet path or URI
+    :param mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI or ./mlflow.db
+    :param mlflow_experiment: the MLflow experiment
+    :param model_name: the MLflow registered model
+    :param steps_per_chunk: steps a train_chunk node holds, 0 keeps the preset's
+    :param config_file: a YAML file of config fields by section (applied before overrides_json)
+    :param set: dotted assignments, last: 'algorithm.clip_high=0.2 reward.reward_fn=my_reward.py:score'
     """
-    config, step_config, data_config, policy_config = resolve_config(
+    config, step_config, data_config, model_config = resolve_config(
         preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data,
-        steps_per_chunk=steps_per_chunk,
+        steps_per_chunk=steps_per_chunk, config_file=config_file, set=set,
     )
     data, data_stats = prepare_data(config=data_config)
     target_json, loop_state = start_tracking(config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment,
                                              data_stats=data_stats)
-    final_policy, final_state = train(config=config, step_config=step_config, policy_config=policy_config, target_json=target_json,
+    final_policy, final_state = train(config=config, step_config=step_config, model_config=model_config, target_json=target_json,
                                       data=data, loop_state=loop_state, model_name=model_name)
     summary = finish_tracking(config=config, target_json=target_json, loop_state=final_state, model_name=model_name)
     return final_policy, summary

@@ -1,0 +1,5 @@
+import sys
+
+from dapo.cli import main
+
+sys.exit(main())

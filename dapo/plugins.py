@@ -1,0 +1,92 @@
+"""A user's own function, named in the config: a registry name, "package.module:function"
+or "path/to/file.py:function" (as verl's custom_reward_function.path / .name).
+
+The config holds the name, never the function, so that it travels to every pod and
+worker process as text, and each loads the function where it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+
+class PluginError(ValueError):
+    """A function named in the config that cannot be found; the message says where it looked."""
+
+
+def is_user_spec(spec: str) -> bool:
+    """Whether `spec` names a user's function ("module:function", "file.py:function")
+    rather than an entry of a registry."""
+    return ":" in spec
+
+
+def resolve(spec: str, registry: Mapping[str, Callable], kind: str) -> Callable:
+    """The function `spec` names: a registry entry, or a user's function (load_user_function)."""
+    if not is_user_spec(spec):
+        if spec not in registry:
+            raise PluginError(f"unknown {kind} {spec!r}: choose one of {sorted(registry)}, "
+                              "or name your own as 'package.module:function' or 'path/to/file.py:function'")
+        return registry[spec]
+    return load_user_function(spec, kind)
+
+
+@functools.lru_cache(maxsize=64)
+def load_user_function(spec: str, kind: str = "function") -> Callable:
+    """Import "module:function" or "file.py:function" (a relative path from the working
+    directory) and return the function; PluginError names what is missing."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise PluginError(f"{kind} {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise PluginError(f"{kind} {spec!r}: no file {path}")
+        module_name = f"dapo_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look their module up here
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise PluginError(f"{kind} {spec!r}: cannot import {where!r} ({error}); is its directory on PYTHONPATH?") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise PluginError(f"{kind} {spec!r}: {where} has no function {name!r}")
+    return function
+
+
+def check_named_functions(config) -> None:
+    """Load every function the config names (reward_fn, reward_fn_by_source, loss_fn), so
+    that a misspelt one fails when the run starts, naming its field, not steps later."""
+    from dapo.config import ConfigError
+    from dapo.loss import POLICY_LOSSES
+    from dapo.rewards import SCORERS
+
+    named = [("reward_fn", config.reward_fn, SCORERS, "scorer"), ("loss_fn", config.loss_fn, POLICY_LOSSES, "policy loss")]
+    named += [(f"reward_fn_by_source[{source!r}]", spec, SCORERS, "scorer") for source, spec in config.reward_fn_by_source.items()]
+    for field, spec, registry, kind in named:
+        try:
+            resolve(spec, registry, kind)
+        except PluginError as error:
+            raise ConfigError(f"DAPOConfig.{field}: {error}") from error
+
+
+def user_code_digest(config) -> str:
+    """sha256 of the source files of the user's functions the config names ("" when it
+    names none): resolve_config puts it in the step config, so that cached steps follow
+    the code of a reward or loss edited since, not only its name."""
+    specs = sorted({config.reward_fn, config.loss_fn, *config.reward_fn_by_source.values()})
+    digest = hashlib.sha256()
+    for spec in filter(is_user_spec, specs):
+        where = spec.rpartition(":")[0]
+        path = where if where.endswith(".py") else importlib.util.find_spec(where).origin
+        digest.update(spec.encode() + Path(path).read_bytes())
+    return digest.hexdigest()[:16] if any(map(is_user_spec, specs)) else ""
