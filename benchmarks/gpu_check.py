@@ -44,20 +44,12 @@ def log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def step_config(model_dir: str, dtype: str):
-    """The checks' DAPO config: the embedded task, 8 prompts x 8 samples a step."""
-    from dapo.config import DAPOConfig
-
-    return DAPOConfig.tiny_cpu().replace(
-        model_path=model_dir, dtype=dtype, train_prompt_bsz=8, gen_prompt_bsz=16, ppo_mini_batch_size=4,
-        n_samples_per_prompt=8, filter_metric="reward", max_response_length=64, overlong_buffer_len=16, max_num_gen_batches=3,
-    )
-
-
 def one_step(work: Path, model_dir: str, dtype: str) -> dict:
     from dapo import pipeline
 
-    config = step_config(model_dir, dtype)
+    from benchmarks.gpu_check_hf import check_config
+
+    config = check_config(model_dir, dtype)
     pipeline.prepare_data(config, work / "data")
     pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     started = time.perf_counter()
@@ -84,12 +76,13 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
 def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dict:
     """Three colocated steps, vLLM's memory kept and released during the updates."""
     import dapo.colocated
-    from benchmarks.gpu_check_hf import GpuMemorySampler
     from dapo import pipeline
     from dapo.colocated import run_colocated
     from dapo.rollout import close_cached_rollout_engine
 
-    config = step_config(model_dir, dtype).replace(execution="colocated")
+    from benchmarks.gpu_check_hf import GpuMemorySampler, check_config
+
+    config = check_config(model_dir, dtype).replace(execution="colocated")
     pipeline.prepare_data(config, work / "data")
     pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     sampler = GpuMemorySampler() if on_gpu else None

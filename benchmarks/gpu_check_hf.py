@@ -29,6 +29,16 @@ from pathlib import Path
 import torch
 
 
+def check_config(model_dir: str, dtype: str):
+    """The checks' DAPO config: the embedded task, 8 prompts x 8 samples a step."""
+    from dapo.config import DAPOConfig
+
+    return DAPOConfig.tiny_cpu().replace(
+        model_path=model_dir, dtype=dtype, train_prompt_bsz=8, gen_prompt_bsz=16, ppo_mini_batch_size=4,
+        n_samples_per_prompt=8, filter_metric="reward", max_response_length=64, overlong_buffer_len=16, max_num_gen_batches=3,
+    )
+
+
 def log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -86,10 +96,8 @@ class GpuMemorySampler:
 
 
 def hf_config(model_dir: str, dtype: str):
-    """gpu_check's step config with transformers' generate as the rollout engine."""
-    from benchmarks.gpu_check import step_config
-
-    return step_config(model_dir, dtype).replace(rollout_backend="hf", trainer_backend="deepspeed")
+    """check_config with transformers' generate as the rollout engine."""
+    return check_config(model_dir, dtype).replace(rollout_backend="hf", trainer_backend="deepspeed")
 
 
 PEAK_ALLOCATED_GIB = [0.0]

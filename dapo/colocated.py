@@ -1,4 +1,4 @@
-"""Colocated execution (issue 14): consecutive DAPO steps in one process, the trainer (model
+"""Colocated execution: consecutive DAPO steps in one process, the trainer (model
 and optimizer state) and the rollout engine resident across them.
 
 Every step runs the per-stage path's functions (dapo.pipeline): `sample_batch` (rollout,

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dapo import checkpoint
-from dapo.batch import REWARD_FIELDS, ROLLOUT_SCHEMA, SCORED_SCHEMA
+from dapo.batch import REWARD_FIELDS, ROLLOUT_SCHEMA
 from dapo.config import DAPOConfig, DataConfig, ModelConfig
 from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, render_prompt, write_embedded_splits
 from dapo.faults import crash_point

@@ -56,8 +56,8 @@ def resolve(
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
 @task_entry
 def resolve_config(
-    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int, config_file: str,
-    set: str,
+    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int, config_file: str = "",
+    set: str = "",
 ) -> ResolvedConfig:
     """The run's validated config (resolve), and the sections tasks are cached on, each
     what its outputs depend on: the step config for the step tasks, the data and model

@@ -246,7 +246,8 @@ def val_acc_curve(target: tracking.RunTarget, run_id: str) -> str:
 @task_entry
 def end_failed_run(
     preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
-    mlflow_experiment: str, model_name: str, steps_per_chunk: int, config_file: str, set: str, err: typing.Optional[FlyteError] = None,
+    mlflow_experiment: str, model_name: str, steps_per_chunk: int, config_file: str = "", set: str = "",
+    err: typing.Optional[FlyteError] = None,
 ) -> None:
     """dapo_loop's failure handler: the run's MLflow run (if it was started) ends KILLED or
     FAILED (tracking.ended_status), with the error as a tag, instead of staying RUNNING.

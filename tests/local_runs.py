@@ -17,7 +17,7 @@ from machine_caches import machine_caches
 REPO = Path(__file__).resolve().parent.parent
 PYFLYTE = Path(sys.executable).parent / "pyflyte"
 LOCAL_CACHE = ".flyte/local-cache"
-SETUP_TASKS = ("tasks.data.resolve_config-", "tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")
+SETUP_TASKS = ("tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")  # the cached tasks before step 0
 SMALL = {
     "embedded_layout_noise": 0.6, "embedded_warm_start_steps": 120, "rollout_backend": "hf", "trainer_backend": "torch", "train_prompt_bsz": 2,
     "gen_prompt_bsz": 8, "ppo_mini_batch_size": 2, "max_num_gen_batches": 3, "val_every": 0, "val_n_samples": 2,

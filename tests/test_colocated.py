@@ -1,4 +1,4 @@
-"""Colocated execution (issue 14): n steps in one process with the trainer and the rollout engine
+"""Colocated execution: n steps in one process with the trainer and the rollout engine
 resident, the new weights synced into the engine in memory, give the per-stage path's steps.
 
 The comparisons are bit for bit: in fp32 the in-memory sync hands the engine the very values the

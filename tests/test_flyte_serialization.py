@@ -287,7 +287,13 @@ def bindings(spec) -> list:
 def paper_dag(tmp_path, **overrides):
     """What a 1,000-step paper_32b run's dynamic pods emit: the step loop (train) and its
     last chunk (train_chunk), as DynamicJobSpecs (their futures.pb)."""
-    config = DAPOConfig.paper_32b().replace(train_data_path="s3://b/train.parquet", total_steps=1000, **overrides)
+    return preset_dag(tmp_path, DAPOConfig.paper_32b().replace(total_steps=1000, **overrides))
+
+
+def preset_dag(tmp_path, config: DAPOConfig):
+    """What a run of `config`'s dynamic pods emit: the step loop (train) and its last chunk
+    (train_chunk), as DynamicJobSpecs (their futures.pb)."""
+    config = config.replace(train_data_path="s3://b/train.parquet", val_data_path="s3://b/val.parquet")
     common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
     train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", model_config=config.section("model"), **common)
     first, last = chunk_ranges(config)[-1]
@@ -318,3 +324,24 @@ def test_the_shipped_paper_dags_dynamic_specs_fit_propellers_download_limit(tmp_
              for name, spec in zip(("train", "train_chunk"), paper_dag(tmp_path, execution=execution))}
     assert max(sizes.values()) < podsim.MAX_DOWNLOAD_BYTES, sizes
     print(f"paper_32b {execution}: futures.pb {sizes} bytes (limit {podsim.MAX_DOWNLOAD_BYTES})")
+
+
+@pytest.mark.parametrize("preset", ["one_gpu_1p5b", "node_7b", "paper_32b"])
+def test_each_hardware_preset_compiles_with_its_chunks_shaped_for_its_gpus(tmp_path, preset):
+    """The presets for one GPU, one node of 8 and 16 nodes: the step loop and its last chunk
+    compile as their dynamic pods emit them, each chunk one colocated task on the trainer's
+    nodes and GPUs (an elastic one over several ranks), under the chunk timeout that passed
+    the run budget, and the specs fit propeller's download limit."""
+    import podsim
+
+    config = DAPOConfig.preset(preset)
+    train_spec, chunk_spec = preset_dag(tmp_path, config)
+    chunks = [n for n in train_spec.nodes if "train_chunk" in n.metadata.name]
+    assert len(chunks) == len(chunk_ranges(config))
+    (node,) = [n for n in chunk_spec.nodes if "colocated_chunk" in n.metadata.name]
+    assert node_requests(node.task_node.overrides)["gpu"] == str(config.trainer_nproc_per_node)
+    assert node.metadata.timeout == datetime.timedelta(minutes=config.chunk_timeout_minutes)
+    assert node.metadata.retries.retries == config.task_retries
+    task = next(t for t in chunk_spec.tasks if t.id.name == node.task_node.reference_id.name)
+    assert task.id.name.endswith("colocated_chunk_elastic" if config.trainer_world_size > 1 else "colocated_chunk")
+    assert max(spec.to_flyte_idl().ByteSize() for spec in (train_spec, chunk_spec)) < podsim.MAX_DOWNLOAD_BYTES

@@ -1,4 +1,4 @@
-"""The cluster path, executed offline (issue 11): register the workflow as the README's
+"""The cluster path, executed offline: register the workflow as the README's
 remote command does, then run the pods that command would start, each as a fresh process
 in a directory standing for its image's /root, with its image's package set, under
 propeller's retries, timeouts, disk limits and cache (tests/podsim.py).
@@ -40,7 +40,7 @@ REGISTRATION_ENV = {"DAPO_IMAGE_REGISTRY": "registry.podsim.test/dapo"}
 DEFAULT_IMAGE_PACKAGES = ["flytekit"]
 """flytekit's default image (cr.flyte.org/flyteorg/flytekit): flytekit, none of the project's
 dependencies. PODSIM_DEFAULT_IMAGE_ROLE=cpu runs it as the cpu image instead, to look past
-issue 11's item 2 at what fails next."""
+that failure at what fails next."""
 # One small step: few prompts, G=4, short answers, two generation rounds at most (the first
 # usually fills the batch of 2, so the conditional round is keep_batch: one cheap pod).
 SMALL = {
@@ -113,7 +113,7 @@ def execute(cluster, name: str, faults: dict | None = None, **inputs) -> dict:
                                  default_disk_limit=cluster["default_disk_limit"])
     values = {"preset": "tiny_cpu", "overrides_json": json.dumps(SMALL), "total_steps": 1, **cluster["data"],
               "mlflow_tracking_uri": cluster["tracking_uri"], "mlflow_experiment": "podsim", "model_name": "podsim-policy",
-              "steps_per_chunk": 1, **inputs}
+              "steps_per_chunk": 1, "config_file": "", "set": "", **inputs}
     hits_before = len(cluster["catalog"].hits)
     state = {"propeller": propeller, "registration": registration, "root": cluster["root"], "error": None, "outputs": None,
              "config": resolved_config(values)}
@@ -129,7 +129,7 @@ def resolved_config(values: dict):
     from tasks.data import resolve
 
     return resolve(values["preset"], values["overrides_json"], values["total_steps"], values["train_data"], values["val_data"],
-                   values["steps_per_chunk"])
+                   values["steps_per_chunk"], values["config_file"], values["set"])
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +156,12 @@ def summary_of(state):
 
 
 def config_literal(config) -> literals_pb2.Literal:
-    """A DAPOConfig as the literal a task input holds (flytekit's dataclass encoding)."""
+    """A config (a DAPOConfig, a StepConfig) as the literal a task input holds (flytekit's dataclass encoding)."""
     from flytekit import FlyteContextManager
     from flytekit.core.type_engine import TypeEngine
 
-    from dapo.config import DAPOConfig
-
     ctx = FlyteContextManager.current_context()
-    return TypeEngine.to_literal(ctx, config, DAPOConfig, TypeEngine.to_literal_type(DAPOConfig)).to_flyte_idl()
+    return TypeEngine.to_literal(ctx, config, type(config), TypeEngine.to_literal_type(type(config))).to_flyte_idl()
 
 
 def from_literal(literal: literals_pb2.Literal, python_type):
@@ -192,7 +190,7 @@ def emitted(sim):
 
 def test_dynamic_workflows_run_in_a_registered_project_image(sim):
     """train and train_chunk import workflows.dapo (torch, pyarrow, the PyTorch plugin):
-    flytekit's default image has none of them (issue 11, item 2)."""
+    flytekit's default image has none of them."""
     registration = sim["registration"]
     dynamics = [registration.tasks["workflows.dapo.train"]] + [t for _, t in emitted(sim) if podsim.task_name(t) == "train_chunk"]
     assert len(dynamics) == 2, "train_chunk was never emitted: " + failure(sim)
@@ -202,7 +200,7 @@ def test_dynamic_workflows_run_in_a_registered_project_image(sim):
 
 def test_every_image_a_dynamic_emits_was_registered(sim):
     """Inside a pod the ImageSpecs are recomputed: their tags and registry must come out as
-    registered, or every emitted task names an image nobody built (issue 11, item 1)."""
+    registered, or every emitted task names an image nobody built."""
     pairs = emitted(sim)
     assert pairs, "no dynamic ran: " + failure(sim)
     unknown = {(node, podsim.task_name(t), t.container.image) for node, t in pairs
@@ -277,7 +275,7 @@ def test_every_pod_stays_within_its_ephemeral_storage(sim, cluster):
 
 def test_multi_node_elastic_step_emitted_by_train_chunk_loads_and_runs(sim):
     """train_chunk for trainer_nnodes=2 emits a PyTorchJob task: its resolver must load it in
-    the pod (issue 11, item 3), and its two workers train the same batch as the step above."""
+    the pod, and its two workers train the same batch as the step above."""
     chunks = [(node, t) for node, t in emitted(sim) if podsim.task_name(t) == "train_chunk"]
     steps = pods_of(sim, "policy_step")
     assert chunks and steps, "the step did not reach policy_step: " + failure(sim)
@@ -383,7 +381,7 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
 
 # --------------------------------------------------------------------- propeller's semantics
 
-STEP_POD_TASKS = {"resolve_config", "prepare_data", "start_tracking", *STEP_TASKS}
+STEP_POD_TASKS = {"prepare_data", "start_tracking", *STEP_TASKS}
 """Every cached task of an execution: what a second execution of the same command takes from the catalog."""
 
 
@@ -395,11 +393,12 @@ def again(cluster, sim):
 
 def test_a_second_execution_of_the_same_command_runs_no_step_pod(sim, again):
     """Every cached task is a catalog hit (keyed by its cache version, interface and input
-    hashes); only the dynamic workflows' pods (which emit the nodes) and finish_tracking
+    hashes); only resolve_config (not cached: a config file or a user's function it reads
+    may have changed), the dynamic workflows' pods (which emit the nodes) and finish_tracking
     (not cached: every execution ends its run) run, and the result is the same checkpoint."""
     assert again["outputs"] is not None, failure(again)
     ran = {podsim.task_name(pod.template) for pod in again["propeller"].pods}
-    assert ran == {"train", "train_chunk", "finish_tracking"}, ran
+    assert ran == {"resolve_config", "train", "train_chunk", "finish_tracking"}, ran
     hit = {task for _, task in again["cache_hits"]}
     assert hit == STEP_POD_TASKS, hit ^ STEP_POD_TASKS
     assert again["outputs"].literals["policy"] == sim["outputs"].literals["policy"]

@@ -1,4 +1,4 @@
-"""The whole local `dapo_loop`, 2 steps, on the policy layouts users bring (issue 12): the
+"""The whole local `dapo_loop`, 2 steps, on the policy layouts users bring: the
 common small model (tied embeddings, bf16 on CPU) and an untied fp32 control, each with a
 ChatML tokenizer with its own chat template and eos (<|im_end|>), model_path given as a
 local Hugging Face directory. (The tied fp32 reload is checked to the last bit in-process,

@@ -1,5 +1,5 @@
 """The rollout guard: a batch whose rollout log-probs disagree with the trainer's is not
-trained on; it is regenerated, and the run stops if the gap persists (issue 12).
+trained on; it is regenerated, and the run stops if the gap persists.
 
 These run the torch trainer on the embedded tiny policy with hand-made batches (~1 s
 each); tests/test_weight_sync.py fires the guard through a real corrupted vLLM reload.

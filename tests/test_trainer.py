@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,12 +16,10 @@ import pytest
 import torch
 
 from dapo import checkpoint
-from dapo.batch import SCORED_SCHEMA, collate, response_log_probs, trim_batch
-from dapo.config import DAPOConfig
-from dapo.policy import TinyPolicySpec, build_tiny_policy
+from dapo.batch import collate, response_log_probs, trim_batch
 from dapo.trainer import STATE_DIR, make_trainer, prune_step_dirs
 from dapo.update import lr_at, minibatch_backward, policy_update, prepare_step
-from policy_steps import G, accumulate, grads_of, make_config, max_diff, scored_table, weights_of
+from policy_steps import G, accumulate, make_config, max_diff, scored_table, weights_of
 
 def sequence_log_probs(trainer, table) -> torch.Tensor:
     batch = collate(table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist(), 0)

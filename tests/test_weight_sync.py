@@ -1,4 +1,4 @@
-"""In-place weight sync into the live vLLM engine, for untied and tied embeddings (issue 12),
+"""In-place weight sync into the live vLLM engine, for untied and tied embeddings,
 from a checkpoint and from the trainer's memory (colocated execution), and the rollout guard
 fired by a reload corrupted on purpose.
 

@@ -26,7 +26,7 @@ SMALL = {
     "max_num_gen_batches": 2, "val_every": 1, "val_n_samples": 2, "val_max_prompts": 16,
 }
 LOCAL_CACHE = ".flyte/local-cache"  # flytekit's local cache, under HOME
-SETUP_TASKS = ("tasks.data.resolve_config-", "tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")
+SETUP_TASKS = ("tasks.data.prepare_data-", "tasks.data.bootstrap_policy-")  # the cached tasks before step 0
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 

