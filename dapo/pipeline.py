@@ -124,6 +124,15 @@ def shard_bounds(n_items: int, shards: int, shard: int) -> tuple[int, int]:
     return start, start + size + (1 if shard < extra else 0)
 
 
+def training_sampling(config: DAPOConfig, seed: int):
+    """The sampling of a training round (and of its regeneration): G responses of at most
+    L_max tokens at the rollout temperature and top_p."""
+    from dapo.rollout import SamplingSettings
+
+    return SamplingSettings(n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
+                            temperature=config.temperature, top_p=config.top_p, seed=seed)
+
+
 def round_prompts(config: DAPOConfig, records: list[PromptRecord], step: int, round_index: int) -> list[PromptRecord]:
     """The prompts of one generation round: derived from (seed, step, round) only, so the
     same for any number of rollout shards."""
@@ -140,8 +149,6 @@ def rollout(
     rollout engine that already holds the policy (colocated mode: synced in memory);
     default: the process's engine on policy_dir's weights.
     """
-    from dapo.rollout import SamplingSettings
-
     records, _ = load_prompts(Path(data_dir) / TRAIN_FILE)
     chosen = round_prompts(config, records, step, round_index)
     start, end = shard_bounds(len(chosen), config.rollout_shards, shard)
@@ -156,10 +163,7 @@ def rollout(
                        step, round_index, shard, len(indices) - len(keep), config.max_prompt_length)
     indices, texts = [indices[k] for k in keep], [texts[k] for k in keep]
 
-    sampling = SamplingSettings(
-        n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
-        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "sampling", step, round_index, shard),
-    )
+    sampling = training_sampling(config, derived_seed(config, "sampling", step, round_index, shard))
     started = time.perf_counter()
     completions = engine.generate(texts, sampling, progress=progress)
     seconds = time.perf_counter() - started
@@ -256,25 +260,27 @@ def filter_groups(
 ) -> tuple[pa.Table, SamplingState]:
     """Add this round's informative groups to the batch (all groups without dynamic sampling)."""
     rollout_metrics = rollout_metrics or {}
-    group_ids = scored.column("group_id").to_pylist()
-    all_groups = list(dict.fromkeys(group_ids))
-    if config.dynamic_sampling:
-        metric = scored.column(config.filter_metric).to_pylist()
-        keep_ids = informative_groups(metric, group_ids)
-    else:
-        keep_ids = all_groups
-    keep_set = set(keep_ids)
-    mask = pa.array([g in keep_set for g in group_ids], type=pa.bool_())
-    round_kept = scored.filter(mask)
+    round_kept = kept_groups(config, scored)
     batch = round_kept if kept is None or kept.num_rows == 0 else pa.concat_tables([kept, round_kept])
     state = state.after_round(
-        len(all_groups), len(keep_ids), target_groups=config.train_prompt_bsz,
+        len(set(scored.column("group_id").to_pylist())), len(set(round_kept.column("group_id").to_pylist())),
+        target_groups=config.train_prompt_bsz,
         max_rounds=config.max_num_gen_batches if config.dynamic_sampling else 1,  # without dynamic sampling one round is the batch
         rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0), rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
     )
     if state.done:
         batch = first_groups(batch, config.train_prompt_bsz)
     return batch, state
+
+
+def kept_groups(config: DAPOConfig, scored: pa.Table) -> pa.Table:
+    """The rows of the groups dynamic sampling keeps (those whose filter_metric varies:
+    sampling.informative_groups); every row without dynamic sampling."""
+    if not config.dynamic_sampling:
+        return scored
+    group_ids = scored.column("group_id").to_pylist()
+    keep = set(informative_groups(scored.column(config.filter_metric).to_pylist(), group_ids))
+    return scored.filter(pa.array([g in keep for g in group_ids], type=pa.bool_()))
 
 
 def first_groups(table: pa.Table, n_groups: int) -> pa.Table:
@@ -369,7 +375,7 @@ def default_regenerator(config: DAPOConfig, policy_dir: str, step: int):
 def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step: int, colocated: bool = False) -> pa.Table:
     """The batch's prompts sampled again by a rollout engine started fresh on policy_dir,
     scored, and (with dynamic sampling) filtered to informative groups; group ids kept."""
-    from dapo.rollout import SamplingSettings, close_cached_rollout_engine
+    from dapo.rollout import close_cached_rollout_engine
 
     close_cached_rollout_engine()  # no state of the old engine survives
     engine = policy_engine(config, policy_dir, colocated)
@@ -377,18 +383,9 @@ def regenerate_batch(config: DAPOConfig, policy_dir: str, batch: pa.Table, step:
     for row in batch.select(PROMPT_COLUMNS).to_pylist():
         firsts.setdefault(row["group_id"], row)
     groups = list(firsts.values())
-    sampling = SamplingSettings(
-        n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
-        temperature=config.temperature, top_p=config.top_p, seed=derived_seed(config, "regenerate", step),
-    )
-    completions = engine.generate([g["prompt"] for g in groups], sampling)
+    completions = engine.generate([g["prompt"] for g in groups], training_sampling(config, derived_seed(config, "regenerate", step)))
     table = rows_table(completions, groups)
-    scored = verify_rewards(config, table, step)
-    if config.dynamic_sampling:
-        group_ids = scored.column("group_id").to_pylist()
-        keep = set(informative_groups(scored.column(config.filter_metric).to_pylist(), group_ids))
-        scored = scored.filter(pa.array([g in keep for g in group_ids], type=pa.bool_()))
-    return scored
+    return kept_groups(config, verify_rewards(config, table, step))
 
 
 def policy_step(
@@ -628,7 +625,7 @@ def policy_engine(config: DAPOConfig, policy_dir: str, colocated: bool = False):
     if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size and not vllm_on_cpu():
         raise RuntimeError(
             f"tensor_parallel_size={config.tensor_parallel_size} but this process sees {gpus} GPU(s): "
-            "dapo_loop's rollout pods request tensor_parallel_size GPUs (tasks/common.rollout_settings): "
+            "dapo_loop's rollout pods request tensor_parallel_size GPUs: "
             "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
     options = {}

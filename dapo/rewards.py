@@ -2,14 +2,16 @@
 
 Per response y_i to question q with ground truth a:
 
+    R_task(y_i, a)    = the row's scorer (SCORERS by name, or a user's function); DAPO's:
     R_correct(y_i, a) = +1 if is_equivalent(extract(y_i), a) else -1   (sec. 2.4, rule-based reward)
     R_length(y_i)     = 0                                  if |y_i| <= L_max - L_cache
                         ((L_max - L_cache) - |y_i|) / L_cache  if L_max - L_cache < |y_i| <= L_max
                         -1                                  if |y_i| > L_max   (sec. 3.4, soft overlong punishment)
-    R_i = R_correct + overlong_factor * R_length + w_fmt(step) * format_score   (w_fmt: ours)
+    R_i = R_task + overlong_factor * R_length + w_fmt(step) * format_score   (w_fmt: ours)
 
 The paper has no format reward; `format_weight` is the project's optional soft format term
-(0 keeps the paper's reward; `DAPOConfig.format_reward_weight`, off by default).
+(0 keeps the paper's reward; `DAPOConfig.format_reward_weight`, off by default). A user's
+scorer runs in the worker processes below, under the same time limit as math-verify.
 
 Verification order, cheapest first:
   1. extract the answer (last "Answer:" line, else last ``\\boxed{}``); none -> wrong.

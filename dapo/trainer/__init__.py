@@ -3,7 +3,13 @@
 The update itself (the DAPO algorithm) is ``dapo.update.policy_update``.
 """
 
-from .base import META_FILE, STATE_DIR, PolicyTrainer, TrainerState, make_trainer
+from __future__ import annotations
+
+from pathlib import Path
+
+from dapo.config import DAPOConfig
+
+from .base import META_FILE, STATE_DIR, PolicyTrainer, TrainerState
 from .launch import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 
 __all__ = [
@@ -17,3 +23,16 @@ __all__ = [
     "prune_step_dirs",
     "rank0_value",
 ]
+
+
+def make_trainer(config: DAPOConfig, model_dir: str | Path) -> PolicyTrainer:
+    """The trainer of config.trainer_backend on model_dir (resuming model_dir/trainer_state if present)."""
+    if config.trainer_backend == "deepspeed":
+        from dapo.trainer.deepspeed_backend import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(config, model_dir)
+    if config.trainer_backend == "torch":
+        from dapo.trainer.torch_backend import TorchTrainer
+
+        return TorchTrainer(config, model_dir)
+    raise ValueError(f"unknown trainer_backend {config.trainer_backend!r}")

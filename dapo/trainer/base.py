@@ -320,16 +320,3 @@ def serving_files(model_dir: str | Path) -> dict[str, bytes]:
         for item in sorted(Path(model_dir).iterdir())
         if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES)
     }
-
-
-def make_trainer(config: DAPOConfig, model_dir: str | Path) -> PolicyTrainer:
-    """The trainer of config.trainer_backend on model_dir (resuming model_dir/trainer_state if present)."""
-    if config.trainer_backend == "deepspeed":
-        from dapo.trainer.deepspeed_backend import DeepSpeedTrainer
-
-        return DeepSpeedTrainer(config, model_dir)
-    if config.trainer_backend == "torch":
-        from dapo.trainer.torch_backend import TorchTrainer
-
-        return TorchTrainer(config, model_dir)
-    raise ValueError(f"unknown trainer_backend {config.trainer_backend!r}")
