@@ -181,27 +181,11 @@ def clipped_token_loss(
 
 @register_policy_loss("dapo")
 def dapo(log_prob, old_log_prob, advantages, response_mask, config) -> tuple[torch.Tensor, dict[str, float]]:
-    """DAPO's decoupled clip (eps_low = config.clip_low, eps_high = config.clip_high; dual
-    clip at config.clip_ratio_c): clipped_token_loss."""
+    """DAPO's decoupled clip, L_{i,t} = -min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)
+    with eps_low = config.clip_low, eps_high = config.clip_high, and the dual clip at
+    config.clip_ratio_c (clipped_token_loss)."""
     return clipped_token_loss(log_prob, old_log_prob, advantages, response_mask,
                               clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c)
-
-
-def policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    agg: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """DAPO's objective as one scalar: clipped_token_loss reduced by `agg` (agg_loss)."""
-    token_loss, metrics = clipped_token_loss(log_prob, old_log_prob, advantages, response_mask,
-                                             clip_low=clip_low, clip_high=clip_high, clip_ratio_c=clip_ratio_c)
-    return agg_loss(token_loss, response_mask, agg), metrics
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""policy_loss pinned against hand-computed cases and an independent reference."""
+"""DAPO's clipped token loss and its aggregations, pinned against hand-computed cases and an independent reference."""
 
 import math
 
@@ -7,7 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo.loss import agg_loss, entropy_from_logits, policy_loss
+from dapo.loss import agg_loss, clipped_token_loss, entropy_from_logits
+
+
+def policy_loss(log_prob, old_log_prob, advantages, response_mask, agg="token-mean", **clips):
+    """DAPO's objective as one scalar: the token losses reduced by `agg`, and their metrics."""
+    token_loss, metrics = clipped_token_loss(log_prob, old_log_prob, advantages, response_mask, **clips)
+    return agg_loss(token_loss, response_mask, agg), metrics
 
 
 def one_token(log_ratio: float, advantage: float, **kwargs):
@@ -167,3 +173,13 @@ def test_entropy_of_uniform_and_peaked():
     assert uniform.item() == pytest.approx(math.log(8), abs=1e-6)
     peaked = entropy_from_logits(torch.tensor([[100.0, 0.0, 0.0]]))
     assert peaked.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_every_registered_loss_and_aggregation_states_its_formula():
+    from dapo.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
+
+    assert set(POLICY_LOSSES) >= {"dapo"}
+    assert set(LOSS_AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    formulas = [fn.__doc__ for fn in POLICY_LOSSES.values()] + [agg.reduce.__doc__ for agg in LOSS_AGGREGATIONS.values()]
+    assert all(doc and ("L_{i,t}" in doc or "sum" in doc) for doc in formulas), formulas
+    assert {name for name, agg in LOSS_AGGREGATIONS.items() if agg.unit == "sequence"} == {"seq-mean-token-mean", "seq-mean-token-sum-norm"}
