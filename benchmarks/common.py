@@ -67,16 +67,17 @@ def run_worker(command: list[str], what: str, env: dict[str, str] | None = None,
 
 def prepare_start(work: Path) -> None:
     """The embedded data and the warm-started tiny policy under work/ (kept for reuse)."""
-    from dapo import checkpoint, pipeline
+    from dapo import checkpoint
+    from dapo.stages import setup
     from dapo.config import DAPOConfig
 
-    if checkpoint.is_complete(work / "policy-0") and (work / "data" / pipeline.VAL_FILE).exists():
+    if checkpoint.is_complete(work / "policy-0") and (work / "data" / setup.VAL_FILE).exists():
         print(f"reusing the data and starting policy in {work}", flush=True)
         return
     config = DAPOConfig.tiny_cpu()
     print("preparing the embedded data and the warm-started tiny policy (about 2 minutes) ...", flush=True)
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
 
 
 def run_dapo_loop(
@@ -86,16 +87,16 @@ def run_dapo_loop(
     (steps_per_chunk: 0 = the preset's).
 
     Returns the final checkpoint path, the metric history and the seconds spent in
-    validation (pipeline.evaluate), which benchmarks of the step loop leave out. curve, if
+    validation (validation.evaluate), which benchmarks of the step loop leave out. curve, if
     given, gets one point per validation: {"step", "train_seconds" (the run's seconds so
     far, validation left out), "val/acc"}.
     """
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
-    from dapo import pipeline
+    from dapo.stages import setup, validation
     from dapo.tracking import run_history
     from workflows.dapo import dapo_loop
 
-    evaluate = pipeline.evaluate
+    evaluate = validation.evaluate
     eval_seconds = 0.0
     run_started = time.perf_counter()
 
@@ -111,14 +112,14 @@ def run_dapo_loop(
             curve.append({"step": step, "train_seconds": started - run_started - (eval_seconds - seconds), "val/acc": metrics["val/acc"]})
         return metrics, samples
 
-    pipeline.evaluate = timed_evaluate
+    validation.evaluate = timed_evaluate
     try:
         policy, summary = dapo_loop(
             preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
-            total_steps=steps, train_data=str(work / "data" / pipeline.TRAIN_FILE), val_data=str(work / "data" / pipeline.VAL_FILE),
+            total_steps=steps, train_data=str(work / "data" / setup.TRAIN_FILE), val_data=str(work / "data" / setup.VAL_FILE),
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
             steps_per_chunk=steps_per_chunk,
         )
     finally:
-        pipeline.evaluate = evaluate
+        validation.evaluate = evaluate
     return policy.path, run_history(summary.mlflow_tracking_uri, summary.mlflow_run_id), eval_seconds

@@ -45,23 +45,24 @@ def log(message: str) -> None:
 
 
 def one_step(work: Path, model_dir: str, dtype: str) -> dict:
-    from dapo import pipeline
+    from dapo.stages import generation, guard, scoring, setup, training
+    from dapo.sampling import SamplingState
 
     from benchmarks.gpu_check_hf import check_config
 
     config = check_config(model_dir, dtype)
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     started = time.perf_counter()
-    kept, state = pipeline.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
-    metrics = pipeline.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
-    pipeline.check_rollout_guard(config, metrics, 0)
+    kept, state = generation.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
+    metrics = training.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
+    guard.check_rollout_guard(config, metrics, 0)
     # the new checkpoint into the live engine (in place), then its own rollout and its gap
-    table, _ = pipeline.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
-    scored = pipeline.verify_rewards(config, table, 1)
-    state = pipeline.SamplingState(rounds=1, generated_groups=1, kept_groups=1)
-    after = pipeline.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
-    engine = pipeline.policy_engine(config, str(work / "policy-1"))
+    table, _ = generation.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
+    scored = scoring.verify_rewards(config, table, 1)
+    state = SamplingState(rounds=1, generated_groups=1, kept_groups=1)
+    after = training.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
+    engine = generation.policy_engine(config, str(work / "policy-1"))
     keys = ("guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped", "actor/num_updates", "step/skipped",
             "sampling/kept_groups", "rollout/tokens_per_s", "actor/step_seconds")
     return {
@@ -76,15 +77,15 @@ def one_step(work: Path, model_dir: str, dtype: str) -> dict:
 def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dict:
     """Three colocated steps, vLLM's memory kept and released during the updates."""
     import dapo.colocated
-    from dapo import pipeline
+    from dapo.stages import setup
     from dapo.colocated import run_colocated
     from dapo.rollout import close_cached_rollout_engine
 
     from benchmarks.gpu_check_hf import GpuMemorySampler, check_config
 
     config = check_config(model_dir, dtype).replace(execution="colocated")
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     sampler = GpuMemorySampler() if on_gpu else None
     update, during_updates = dapo.colocated.train_on_batch, []
 
@@ -186,7 +187,7 @@ def main() -> None:
 
     if on_gpu and not no_vllm:
         # In-process vLLM and DeepSpeed share the GPU here: cap vLLM's share (its default
-        # reserves 90% of the GPU). pipeline.policy_engine looks the function up at call time.
+        # reserves 90% of the GPU). generation.policy_engine looks the function up at call time.
         import functools
 
         import dapo.rollout

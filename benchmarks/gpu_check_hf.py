@@ -7,7 +7,7 @@ the trainer DeepSpeed, both in this process on one GPU (or the CPU with --cpu).
   sync), guard/rollout_logprob_gap (rollout vs trainer right after that sync), rollout
   tokens/s, policy_step/seconds and peak GPU memory (torch's allocator and NVML/nvidia-smi,
   sampled every 0.1 s).
-- hf_step: one per-stage DAPO step (pipeline.sample_batch + pipeline.policy_step, its own
+- hf_step: one per-stage DAPO step (generation.sample_batch + training.policy_step, its own
   DeepSpeed trainer) on the tied policy, then the next step's rollout after the HF engine
   reloaded the new checkpoint in place, with the guard's metrics.
 - hf_gap: the trainer's (DeepSpeed) sampled-token log-prob gap against the HF engine right
@@ -122,12 +122,12 @@ STEP_KEYS = ("sync/seconds", "guard/rollout_logprob_gap", "guard/threshold", "gu
 def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler):
     """A part's config, data and starting checkpoint under work, no engine left from the last
     part, the peaks reset."""
-    from dapo import pipeline
+    from dapo.stages import setup
     from dapo.rollout import close_cached_rollout_engine
 
     config = hf_config(model_dir, dtype)
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     close_cached_rollout_engine()
     if on_gpu:
         torch.cuda.synchronize()
@@ -139,14 +139,14 @@ def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
 def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3,
                  overrides: dict | None = None, checkpoint_every: int = 1) -> dict:
     import dapo.trainer
-    from dapo import pipeline
     from dapo.colocated import run_colocated
+    from dapo.stages import generation
     from dapo.rollout import close_cached_rollout_engine
 
     config = fresh_start(work, model_dir, dtype, on_gpu, sampler).replace(**(overrides or {}))
     setup: dict[str, float] = {}
     started = time.perf_counter()
-    pipeline.policy_engine(config, str(work / "policy-0"))  # run_colocated gets this cached engine back
+    generation.policy_engine(config, str(work / "policy-0"))  # run_colocated gets this cached engine back
     setup["engine_start_seconds"] = time.perf_counter() - started
 
     original = dapo.trainer.make_trainer
@@ -235,7 +235,8 @@ def scale_hf(work: Path, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) ->
 
 
 def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) -> dict:
-    from dapo import pipeline
+    from dapo.stages import generation, guard, scoring, training
+    from dapo.sampling import SamplingState
     from dapo.rollout import close_cached_rollout_engine
 
     config = fresh_start(work, model_dir, dtype, on_gpu, sampler)
@@ -243,17 +244,17 @@ def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
             "sampling/kept_groups", "sampling/rounds", "rollout/tokens_per_s", "rollout/seconds", "actor/step_seconds", "actor/pg_loss",
             "train/reward_mean")
     started = time.perf_counter()
-    kept, state = pipeline.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
+    kept, state = generation.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
     sampled = time.perf_counter()
-    metrics = pipeline.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
+    metrics = training.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
     stepped = time.perf_counter()
-    pipeline.check_rollout_guard(config, metrics, 0)
+    guard.check_rollout_guard(config, metrics, 0)
     # the next step's rollout after the HF engine reloaded policy-1 from its files in place
-    table, _ = pipeline.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
-    engine = pipeline.policy_engine(config, str(work / "policy-1"))
-    scored = pipeline.verify_rewards(config, table, 1)
-    state = pipeline.SamplingState(rounds=1, generated_groups=1, kept_groups=1)
-    after = pipeline.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
+    table, _ = generation.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
+    engine = generation.policy_engine(config, str(work / "policy-1"))
+    scored = scoring.verify_rewards(config, table, 1)
+    state = SamplingState(rounds=1, generated_groups=1, kept_groups=1)
+    after = training.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
     report = {
         "dtype": dtype, "rollout_backend": "hf", "trainer_backend": "deepspeed",
         "step0": {k: metrics.get(k) for k in keys},
@@ -272,24 +273,25 @@ def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
 def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
     """The trainer's log-prob gap to the HF engine: before any update (both on the same files),
     right after one real DAPO update synced in memory, and on a fresh engine on the saved checkpoint."""
-    from dapo import pipeline
+    from dapo.stages import generation, setup, training
+    from dapo import data
     from dapo.batch import collate_table
     from dapo.rollout import SamplingSettings, close_cached_rollout_engine, make_rollout_engine
     from dapo.trainer import make_trainer
     from dapo.update import _rollout_diff
 
     config = hf_config(model_dir, dtype)
-    pipeline.prepare_data(config, work / "data")
-    pipeline.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     close_cached_rollout_engine()
     options = dict(dtype=dtype, max_model_len=config.max_prompt_length + config.max_response_length, seed=config.seed)
-    records, _ = pipeline.load_prompts(work / "data" / pipeline.TRAIN_FILE)
+    records, _ = data.load_prompts(work / "data" / setup.TRAIN_FILE)
     chosen = records[:8]
     sampling = SamplingSettings(n=8, max_tokens=config.max_response_length, temperature=config.temperature, top_p=config.top_p, seed=7)
 
     def gap(engine, trainer) -> tuple[float, float, int]:
-        texts = [pipeline.render_prompt(r, engine.tokenizer) for r in chosen]
-        table = pipeline.completion_table(engine.generate(texts, sampling), chosen, texts, group_prefix="gap")
+        texts = [data.render_prompt(r, engine.tokenizer) for r in chosen]
+        table = generation.completion_table(engine.generate(texts, sampling), chosen, texts, group_prefix="gap")
         batch = collate_table(table, trainer.pad_token_id)
         log_probs, _ = trainer.log_probs(batch, config.temperature)
         rollout = table.column("rollout_log_probs").to_pylist()
@@ -301,9 +303,9 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
     trainer = make_trainer(config, str(work / "policy-0"))
     try:
         row["before_update_mean"], row["before_update_max"], row["tokens"] = gap(engine, trainer)
-        batch, state = pipeline.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0, engine=engine)
-        metrics = pipeline.step_metrics(config, batch, state)
-        row["updated"] = pipeline.train_on_batch(trainer, config, batch, 0, metrics, None)
+        batch, state = generation.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0, engine=engine)
+        metrics = training.step_metrics(config, batch, state)
+        row["updated"] = training.train_on_batch(trainer, config, batch, 0, metrics, None)
         row["update_guard_gap"] = metrics.get("guard/rollout_logprob_gap")
         started = time.perf_counter()
         engine.load_weights_from_tensors(trainer.named_weights())

@@ -10,7 +10,7 @@ A batch of mixed responses, G per question sharing its ground truth as in a DAPO
 Both sides score every response and must agree, result for result, in batch order:
 
     serial       `dapo.rewards.score_response` on one response after the other
-    parallel     `dapo.rewards.score_responses` on the batch (what `dapo.pipeline.
+    parallel     `dapo.rewards.score_responses` on the batch (what `dapo.stages.scoring.
                  verify_rewards` calls): several responses at a time from threads
                  (2 x workers), so that every math-verify worker has a task
 

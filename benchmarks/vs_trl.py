@@ -24,7 +24,7 @@ Runs, each in its own process (so peak memory is its own), caching off:
 Each run goes once per seed (the RL seed; the start is the same). Per run: wall time
 per step (training only: evaluation is excluded on both sides), generated tokens/s,
 peak RSS of the process; then every final model is validated by the same function
-(``dapo.pipeline.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
+(``dapo.validation.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
 Time to accuracy: every CURVE_EVERY steps each run's policy is validated by that function
 too (ours inside dapo_loop, val_every; TRL's saved models afterwards), and the training
 seconds to the first validation at or above TRL's final accuracy (mean over seeds) are
@@ -93,7 +93,7 @@ class DapoReward:
         self.generated_tokens = 0
 
     def __call__(self, prompts, completions, completion_ids, ground_truth, trainer_state=None, **_) -> list[float]:
-        from dapo.pipeline import scoring_settings
+        from dapo.stages.scoring import scoring_settings
         from dapo.rewards import score_response
 
         step = (trainer_state.global_step if trainer_state is not None else 0) // self.updates_per_step
@@ -172,11 +172,11 @@ def run_trl(work: Path, steps: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from dapo import pipeline
+    from dapo.stages import setup
     from dapo.data import load_prompts
 
     config = base_config(steps, seed)
-    records, _ = load_prompts(work / "data" / pipeline.TRAIN_FILE)
+    records, _ = load_prompts(work / "data" / setup.TRAIN_FILE)
     dataset = Dataset.from_list([{"prompt": r.chat, "ground_truth": r.ground_truth} for r in records])
     out_dir = work / f"trl-seed{seed}"
     reward = DapoReward(config, config.train_prompt_bsz // config.ppo_mini_batch_size)
@@ -225,17 +225,17 @@ def validate(results: dict[str, list[dict]], work: Path, steps: int) -> dict:
     """Every final model, and every curve point without a validation (TRL's saved models),
     through the same validation function (the seed's validation sampling); each run's
     curve then runs from the start (0 s) to its final model. Returns the starting policy's figures."""
-    from dapo import pipeline
+    from dapo.stages import validation
 
-    start, _ = pipeline.evaluate(base_config(steps), str(work / "policy-0"), str(work / "data"), step=0)
+    start, _ = validation.evaluate(base_config(steps), str(work / "policy-0"), str(work / "data"), step=0)
     for runs in results.values():
         for result in runs:
             config = base_config(steps, result["seed"])
-            metrics, _ = pipeline.evaluate(config, result["model_dir"], str(work / "data"), step=steps)
+            metrics, _ = validation.evaluate(config, result["model_dir"], str(work / "data"), step=steps)
             result.update({"val/acc": metrics["val/acc"], "val/format_score": metrics["val/format_score"]})
             for point in result["curve"]:
                 if "val/acc" not in point:
-                    point["val/acc"] = pipeline.evaluate(config, point["model_dir"], str(work / "data"), step=point["step"])[0]["val/acc"]
+                    point["val/acc"] = validation.evaluate(config, point["model_dir"], str(work / "data"), step=point["step"])[0]["val/acc"]
             inner = [p for p in result["curve"] if 0 < p["step"] < steps]
             result["curve"] = ([{"step": 0, "train_seconds": 0.0, "val/acc": start["val/acc"]}] + inner
                                + [{"step": steps, "train_seconds": result["train_seconds"], "val/acc": result["val/acc"]}])

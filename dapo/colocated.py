@@ -1,7 +1,7 @@
 """Colocated execution: consecutive DAPO steps in one process, the trainer (model
 and optimizer state) and the rollout engine resident across them.
 
-Every step runs the per-stage path's functions (dapo.pipeline): `sample_batch` (rollout,
+Every step runs the per-stage path's functions (dapo.stages): `sample_batch` (rollout,
 verify_rewards and filter_groups rounds), `skips_update`, `train_on_batch` (the update
 behind the rollout guard). What differs is the hand-over between steps: instead of a
 checkpoint written by one task and read by the next (trainer start, optimizer state load,
@@ -36,9 +36,9 @@ import pyarrow.ipc
 from dapo import checkpoint
 from dapo.config import DAPOConfig
 from dapo.faults import crash_point
-from dapo.pipeline import (
-    is_bad_step, policy_engine, regenerate_batch, sample_batch, skips_update, step_metrics, train_on_batch,
-)
+from dapo.stages.generation import policy_engine, sample_batch
+from dapo.stages.guard import regenerate_batch
+from dapo.stages.training import is_bad_step, skips_update, step_metrics, train_on_batch
 
 logger = logging.getLogger(__name__)
 

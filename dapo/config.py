@@ -103,8 +103,9 @@ class RewardConfig:
     reward_fn_by_source: dict[str, str] = field(default_factory=dict)
     """Scorers by the data rows' data_source (as reward_fn); other rows get reward_fn."""
     reward_timeout_seconds: float = 2.0
-    """The most one response's scoring may take in a verifier worker (math-verify, or a
-    user's scorer); past it the response counts as wrong and in train/unverified."""
+    """The most a user's scorer may take on one response in a verifier worker; past it the
+    response counts as wrong and in train/unverified (as a math-verify call past its own
+    2 s in dapo_math)."""
     overlong_buffer_len: int = 4096
     """L_cache: the soft punishment zone is (L_max - L_cache, L_max]."""
     overlong_penalty_factor: float = 1.0

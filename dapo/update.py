@@ -136,9 +136,12 @@ def minibatch_backward(
     """
     loss_fn = resolve_plugin(config.loss_fn, POLICY_LOSSES, "policy loss")
     aggregation = LOSS_AGGREGATIONS[config.loss_agg_mode]
+    def units(mask: torch.Tensor) -> float:
+        """What the aggregation averages over: valid tokens, or responses with a valid token."""
+        return (mask.sum(dim=-1) > 0).sum().item() if aggregation.unit == "sequence" else mask.sum().item()
+
     mask = data.loss_mask[rows]
     total_tokens = mask.sum().item()
-    units = lambda m: (m.sum(dim=-1) > 0).sum().item() if aggregation.unit == "sequence" else m.sum().item()  # noqa: E731
     total_units = units(mask)
     if total_units == 0:
         return None

@@ -10,10 +10,10 @@ import typing
 from flytekit import FlyteContextManager, Resources, task
 from flytekit.types.directory import FlyteDirectory
 
-from dapo import pipeline
 from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig, StepConfig, flat_overrides, parse_assignments, read_config_file
 from dapo.data import DataError
 from dapo.plugins import check_named_functions, user_code_digest
+from dapo.stages import setup
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
@@ -78,7 +78,7 @@ def prepare_data(config: DataConfig) -> typing.NamedTuple("PreparedData", [("dat
     """
     out_dir = scratch_dir("data")
     config = dataclasses.replace(config, train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
-    stats = pipeline.prepare_data(config, out_dir)
+    stats = setup.prepare_data(config, out_dir)
     return directory_output(out_dir), stats
 
 
@@ -115,5 +115,5 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str) -> Checkpoint:
             bar.set_postfix(loss=f"{loss:.3f}")
 
         model = dataclasses.replace(config, model_path=local_copy(config.model_path, directory=True))
-        pipeline.bootstrap_policy(model, embedded_task, out_dir, progress=progress)
+        setup.bootstrap_policy(model, embedded_task, out_dir, progress=progress)
     return directory_output(out_dir)

@@ -8,7 +8,8 @@ import pyarrow as pa
 from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
-from dapo import pipeline, report
+from dapo import report
+from dapo.stages import validation
 from images.specs import ROLLOUT_IMAGE
 from dapo.config import StepConfig
 from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
@@ -27,6 +28,6 @@ would make an inline list larger than Flyte keeps in a node's outputs."""
 @task_entry
 def evaluate(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int) -> EvalOutput:
     """avg@k accuracy at the validation sampling settings, with sample completions."""
-    metrics, samples = pipeline.evaluate(config, download_weights(policy), data.download(), step)
+    metrics, samples = validation.evaluate(config, download_weights(policy), data.download(), step)
     Deck("Sample completions", report.html_table(samples))
     return EvalOutput(metrics, pa.Table.from_pylist(samples))

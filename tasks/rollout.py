@@ -8,7 +8,8 @@ import pyarrow as pa
 from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 
-from dapo import pipeline
+from dapo.sampling import SamplingState
+from dapo.stages import generation, scoring
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from dapo.config import StepConfig
 from tasks.common import Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
@@ -36,24 +37,24 @@ def rollout(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: 
             bar.total = total
             bar.update(done - bar.n)
 
-        table, metrics = pipeline.rollout(config, download_weights(policy), data.download(), step, round_index, shard, progress=progress)
-    return pipeline.with_rollout_metrics(table, metrics)
+        table, metrics = generation.rollout(config, download_weights(policy), data.download(), step, round_index, shard, progress=progress)
+    return generation.with_rollout_metrics(table, metrics)
 
 
 @task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
 @task_entry
 def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Table:
     """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
-    return pipeline.verify_rewards(config, responses, step)
+    return scoring.verify_rewards(config, responses, step)
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def filter_groups(config: StepConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
-    state = pipeline.SamplingState.from_json(sampling_state)
-    round_table, rollout_metrics = pipeline.merge_shards(scored)
-    batch, state = pipeline.filter_groups(config, round_table, kept, state, rollout_metrics)
+    state = SamplingState.from_json(sampling_state)
+    round_table, rollout_metrics = generation.merge_shards(scored)
+    batch, state = scoring.filter_groups(config, round_table, kept, state, rollout_metrics)
     return batch, state.to_json(), state.done
 
 

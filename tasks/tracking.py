@@ -20,8 +20,9 @@ from flytekit import Deck, FlyteContextManager, Resources, current_context, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.error import FlyteError
 
-from dapo import pipeline, report, tracking
+from dapo import report, tracking
 from dapo.config import DAPOConfig, StepConfig
+from dapo.stages import guard, training
 from images.specs import CPU_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
 from tasks.data import resolve
@@ -141,9 +142,9 @@ def report_step(state: LoopState, target_json: str, step: int, step_metrics: dic
 def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
     state = LoopState.from_json(loop_state)
-    state.bad_steps = pipeline.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
+    state.bad_steps = training.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
     report_step(state, target_json, step, step_metrics)
-    pipeline.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
+    guard.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
     return state.to_json()
 
 
@@ -159,11 +160,11 @@ def log_chunk(
     steps, and the rollout guard's verdict on its last step."""
     state = LoopState.from_json(loop_state)
     for offset, metrics in enumerate(step_metrics):
-        state.bad_steps = pipeline.count_bad_steps(state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1)
+        state.bad_steps = training.count_bad_steps(state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1)
     steps = [tracking.metrics_record(first_step + offset + 1, metrics) for offset, metrics in enumerate(step_metrics)]
     deliver(state, target_json, read_outbox(LoopState(outbox=outbox)) + steps)
     if step_metrics:
-        pipeline.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
+        guard.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
     return state.to_json()
 
 

@@ -16,8 +16,10 @@ from flytekit.core.base_task import PythonTask, TaskResolverMixin
 from flytekit.core.tracker import TrackedInstance
 from flytekitplugins.kfpytorch import Elastic
 
-from dapo import pipeline, report
+from dapo import report
 from dapo.config import DAPOConfig, StepConfig
+from dapo.sampling import SamplingState
+from dapo.stages import training
 from dapo.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
@@ -61,8 +63,8 @@ def policy_step(config: StepConfig, policy: Checkpoint, batch: pa.Table, samplin
     started = time.perf_counter()
     out_dir = rank0_value(lambda: step_output_dir(config, step, policy.path))
     local_rank0_first(policy.download)  # one download per node, into the path every rank reads
-    state = pipeline.SamplingState.from_json(sampling_state)
-    metrics = pipeline.policy_step(config, policy.path, batch, state, step, out_dir)
+    state = SamplingState.from_json(sampling_state)
+    metrics = training.policy_step(config, policy.path, batch, state, step, out_dir)
     metrics["policy_step/seconds"] = time.perf_counter() - started
     Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
     return StepOutput(directory_output(out_dir), metrics)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo import pipeline
+from dapo.stages import generation, setup, training
 from dapo.colocated import run_colocated
 from dapo.config import DAPOConfig
 from dapo.rollout import close_cached_rollout_engine
@@ -40,9 +40,9 @@ def per_stage(config: DAPOConfig, policy_dir: str, data_dir: str, steps: int, ou
     Returns the metrics and the last checkpoint."""
     metrics = []
     for step in range(steps):
-        batch, state = pipeline.sample_batch(config, policy_dir, data_dir, step)
+        batch, state = generation.sample_batch(config, policy_dir, data_dir, step)
         next_dir = str(out_root / f"policy-{step + 1}")
-        metrics.append(pipeline.policy_step(config, policy_dir, batch, state, step, next_dir))
+        metrics.append(training.policy_step(config, policy_dir, batch, state, step, next_dir))
         policy_dir = next_dir
     return metrics, policy_dir
 
@@ -63,7 +63,7 @@ def hf_torch_run(tmp_path_factory, tmp_path) -> tuple[DAPOConfig, str, str]:
         model_path=policy_dir, rollout_backend="hf", trainer_backend="torch", dynamic_sampling=False, n_samples_per_prompt=4,
         train_prompt_bsz=2, gen_prompt_bsz=2, ppo_mini_batch_size=1, max_response_length=12, overlong_buffer_len=4, lr=1e-3,
     )
-    pipeline.prepare_data(config, tmp_path / "data")
+    setup.prepare_data(config, tmp_path / "data")
     return config, policy_dir, str(tmp_path / "data")
 
 
@@ -239,9 +239,9 @@ def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tm
         assert run_colocated(config, policy_dir, data, 0, 5, tmp_path / "out", on_step=lambda *_: ran.append(-1)).step_metrics \
             == result.step_metrics and ran == [0, 1, 2]
     bad = 0
-    with pytest.raises(pipeline.TooManyBadSteps, match="step 3: 2 consecutive steps"):
+    with pytest.raises(training.TooManyBadSteps, match="step 3: 2 consecutive steps"):
         for offset, metrics in enumerate(result.step_metrics):
-            bad = pipeline.count_bad_steps(bad, metrics, config.max_bad_steps, offset + 1)
+            bad = training.count_bad_steps(bad, metrics, config.max_bad_steps, offset + 1)
 
 
 def test_an_engine_that_releases_its_weights_during_the_update_gets_them_back(tmp_path_factory, tmp_path, monkeypatch):
@@ -267,7 +267,7 @@ def test_an_engine_that_releases_its_weights_during_the_update_gets_them_back(tm
     monkeypatch.setattr(hf_engine.HFRolloutEngine, "_release_memory", discard_weights)
     with one_torch_thread():
         released = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "released")
-        engine = pipeline.policy_engine(config, policy_dir)
+        engine = generation.policy_engine(config, policy_dir)
         assert engine.release_memory() and engine.released
         with pytest.raises(RuntimeError, match="released its memory"):
             engine.generate(["1+1="], engine_sampling())

@@ -7,7 +7,12 @@ import pytest
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
-from dapo.pipeline import SamplingState, evaluate, filter_groups, policy_step, prepare_data, rollout, verify_rewards
+from dapo.sampling import SamplingState
+from dapo.stages.generation import rollout
+from dapo.stages.scoring import filter_groups, verify_rewards
+from dapo.stages.setup import prepare_data
+from dapo.stages.training import policy_step
+from dapo.stages.validation import evaluate
 from dapo.policy import TinyPolicySpec, build_tiny_policy
 from dapo.rewards import verify_answer
 from dapo.rollout import close_cached_rollout_engine
@@ -79,7 +84,7 @@ def test_validation_measures_the_policy_entropy_on_its_own_samples(run_dirs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dapo.pipeline import policy_entropy, validation_samples
+    from dapo.stages.validation import policy_entropy, validation_samples
 
     config, root = run_dirs
     policy0, data = str(root / "policy-0"), str(root / "data")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo import pipeline
+from dapo.stages import setup, validation
 from dapo.colocated import run_colocated
 from dapo.config import DAPOConfig
 from dapo.rollout import close_cached_rollout_engine
@@ -42,12 +42,12 @@ def short_run(root: Path, seed: int) -> tuple[dict, dict]:
     )
     data, policy = str(root / "data"), str(root / "policy-0")
     if not (root / "data").exists():
-        pipeline.prepare_data(config, data)
-        pipeline.bootstrap_policy(config, config.embedded_task, policy)
+        setup.prepare_data(config, data)
+        setup.bootstrap_policy(config, config.embedded_task, policy)
     try:
-        before, _ = pipeline.evaluate(config, policy, data, step=0)
+        before, _ = validation.evaluate(config, policy, data, step=0)
         result = run_colocated(config, policy, data, first_step=0, n_steps=STEPS, out_root=root / f"records-{seed}")
-        after, _ = pipeline.evaluate(config, result.checkpoint_dir, data, step=STEPS)
+        after, _ = validation.evaluate(config, result.checkpoint_dir, data, step=STEPS)
     finally:
         close_cached_rollout_engine()
     return before, after

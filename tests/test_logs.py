@@ -52,7 +52,7 @@ from dapo.logs import configure_logging
 print("torch C++ level", os.environ.get("TORCH_CPP_LOG_LEVEL"), "torch imported", "torch" in sys.modules)
 configure_logging()
 logging.getLogger("some_library.module").warning("a library warning")
-logging.getLogger("dapo.pipeline").warning("our warning")
+logging.getLogger("dapo.stages.training").warning("our warning")
 exec(compile("import warnings; warnings.warn('a library deprecation', FutureWarning)", "lib.py", "exec"), {"__name__": "some_library"})
 exec(compile("import warnings; warnings.warn('our deprecation', FutureWarning)", "ours.py", "exec"), {"__name__": "dapo.config"})
 import torch, vllm._C  # vLLM's CPU worker calls this at every engine start; its C++ warning goes to stderr

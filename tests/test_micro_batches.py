@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo import pipeline
+from dapo.stages import validation
 from dapo.batch import SCORED_SCHEMA, collate, collate_table, pack, packed_response_log_probs, response_log_probs
 from dapo.config import ConfigError
 from dapo.micro_batches import by_token_budget, deal_to_ranks, micro_batch_cost, plan_micro_batches
@@ -226,6 +226,6 @@ def test_one_very_long_row_costs_no_forward_pass_more_than_the_budget(policy_dir
 
 def test_the_validation_entropy_by_token_budget_equals_the_one_by_row_count(policy_dir):
     table = mixed_table(groups=3, seed=2)
-    by_rows = pipeline.policy_entropy(policy_dir, table, temperature=1.0, rows_per_forward=5)
-    by_tokens = pipeline.policy_entropy(policy_dir, table, temperature=1.0, max_tokens=BUDGET)
+    by_rows = validation.policy_entropy(policy_dir, table, temperature=1.0, rows_per_forward=5)
+    by_tokens = validation.policy_entropy(policy_dir, table, temperature=1.0, max_tokens=BUDGET)
     assert by_tokens == pytest.approx(by_rows, rel=1e-6) and by_rows > 0

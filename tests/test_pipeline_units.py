@@ -7,21 +7,10 @@ from dapo import checkpoint
 from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
 from dapo.data import PromptRecord
-from dapo.pipeline import (
-    SamplingState,
-    TooManyBadSteps,
-    batch_metrics,
-    count_bad_steps,
-    filter_groups,
-    merge_shards,
-    policy_engine,
-    policy_step,
-    rollout_metrics_of,
-    round_prompts,
-    shard_bounds,
-    verify_rewards,
-    with_rollout_metrics,
-)
+from dapo.sampling import SamplingState
+from dapo.stages.generation import merge_shards, policy_engine, rollout_metrics_of, round_prompts, shard_bounds, with_rollout_metrics
+from dapo.stages.scoring import batch_metrics, filter_groups, verify_rewards
+from dapo.stages.training import TooManyBadSteps, count_bad_steps, policy_step
 
 
 def rollout_table(groups: dict[str, list[str]], truth: str = "12", lengths: list[int] | None = None) -> pa.Table:
@@ -188,10 +177,10 @@ def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
 def test_tensor_parallelism_beyond_the_pods_gpus_names_the_setting(tmp_path, monkeypatch):
     import torch
 
-    from dapo import pipeline
+    from dapo.stages import generation
 
-    assert pipeline.vllm_on_cpu()  # here vLLM's CPU build runs tensor parallelism without GPUs
-    monkeypatch.setattr(pipeline, "vllm_on_cpu", lambda: False)  # a CUDA build, as in the rollout image
+    assert generation.vllm_on_cpu()  # here vLLM's CPU build runs tensor parallelism without GPUs
+    monkeypatch.setattr(generation, "vllm_on_cpu", lambda: False)  # a CUDA build, as in the rollout image
     cfg = config(tensor_parallel_size=torch.cuda.device_count() + 2)
     with pytest.raises(RuntimeError, match="tensor_parallel_size"):
         policy_engine(cfg, str(tmp_path))

@@ -72,7 +72,7 @@ def cluster(tmp_path_factory, s3):
     """What the pods run against: the registration, an object store (S3 on loopback) holding
     the training data, a real MLflow server (--serve-artifacts, its artifacts in that S3),
     and the catalog every execution shares."""
-    from dapo import pipeline
+    from dapo.stages import setup
     from dapo.config import DAPOConfig
     from servers import BUCKET, S3_ENV, s3_client, start_mlflow, stop
 
@@ -87,8 +87,8 @@ def cluster(tmp_path_factory, s3):
         have = requirement_names(role) if role else set(DEFAULT_IMAGE_PACKAGES)
         return envs.python(frozenset(everything - have))
 
-    pipeline.prepare_data(DAPOConfig.preset("tiny_cpu", SMALL), root / "data")  # the embedded task's files, put in the store
-    for name in (pipeline.TRAIN_FILE, pipeline.VAL_FILE):
+    setup.prepare_data(DAPOConfig.preset("tiny_cpu", SMALL), root / "data")  # the embedded task's files, put in the store
+    for name in (setup.TRAIN_FILE, setup.VAL_FILE):
         s3_client(s3).upload_file(str(root / "data" / name), BUCKET, f"data/{name}")
     mlflow, tracking_uri = start_mlflow(root, artifacts=f"s3://{BUCKET}/mlflow", s3_endpoint=s3)
     limit_range = yaml.safe_load((REPO / "k8s" / "04-limitrange.yaml").read_text())["spec"]["limits"]
@@ -99,7 +99,7 @@ def cluster(tmp_path_factory, s3):
         yield {"registration": registration, "root": root, "store": store, "python_for": python_for, "env": env,
                "catalog": podsim.Catalog(store / "catalog"), "tracking_uri": tracking_uri,
                "default_disk_limit": podsim.quantity_bytes(default_disk),
-               "data": {"train_data": f"s3://{BUCKET}/data/{pipeline.TRAIN_FILE}", "val_data": f"s3://{BUCKET}/data/{pipeline.VAL_FILE}"}}
+               "data": {"train_data": f"s3://{BUCKET}/data/{setup.TRAIN_FILE}", "val_data": f"s3://{BUCKET}/data/{setup.VAL_FILE}"}}
     finally:
         stop(mlflow)
 

@@ -15,7 +15,9 @@ import torch
 from dapo import checkpoint
 from dapo.batch import SCORED_SCHEMA, collate_table, response_log_probs
 from dapo.config import ConfigError, DAPOConfig
-from dapo.pipeline import RolloutMismatch, SamplingState, check_rollout_guard, policy_step
+from dapo.sampling import SamplingState
+from dapo.stages.guard import RolloutMismatch, check_rollout_guard
+from dapo.stages.training import policy_step
 
 from policy_steps import make_config, scored_table, shared_tiny_policy
 

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo import loss, pipeline, rewards
+from dapo import loss, rewards
+from dapo.stages import scoring
 from dapo.batch import ROLLOUT_SCHEMA
 from dapo.config import ConfigError, DAPOConfig
 from dapo.plugins import load_user_function
@@ -74,11 +75,11 @@ def rollout_rows(sources: list[str]) -> pa.Table:
 
 def test_rows_are_scored_by_their_data_sources_scorer_and_its_metrics_reach_the_step_line():
     config = DAPOConfig.tiny_cpu().replace(reward_fn_by_source={"closeness": MY_REWARD}, format_reward_weight=0.0)
-    scored = pipeline.verify_rewards(config, rollout_rows(["math", "math", "closeness", "closeness"]), step=0)
+    scored = scoring.verify_rewards(config, rollout_rows(["math", "math", "closeness", "closeness"]), step=0)
     assert scored.column("score").to_pylist() == [1.0, -1.0, 1.0, -1.0]
     assert [dict(m) for m in scored.column("score_metrics").to_pylist()] == [
         {}, {}, {"parsed": 1.0, "distance": 0.0}, {"parsed": 0.0}]
-    metrics = pipeline.batch_metrics(scored, prefix="train/")
+    metrics = scoring.batch_metrics(scored, prefix="train/")
     assert metrics["train/score/parsed"] == 0.5 and metrics["train/score/distance"] == 0.0  # over the rows that have it
     assert metrics["train/score_mean"] == 0.0
 
@@ -86,7 +87,7 @@ def test_rows_are_scored_by_their_data_sources_scorer_and_its_metrics_reach_the_
 def test_a_scorer_receives_the_data_rows_extra_info_and_source(tmp_path):
     spec = scorer_file(tmp_path, "    return {'score': 1.0, 'index': extra_info['index'], "
                                  "'from_math': float(extra_info['data_source'] == 'math')}\n")
-    scored = pipeline.verify_rewards(DAPOConfig.tiny_cpu().replace(reward_fn=spec), rollout_rows(["math", "other"]), step=0)
+    scored = scoring.verify_rewards(DAPOConfig.tiny_cpu().replace(reward_fn=spec), rollout_rows(["math", "other"]), step=0)
     assert [dict(m) for m in scored.column("score_metrics").to_pylist()] == [
         {"index": 0.0, "from_math": 1.0}, {"index": 1.0, "from_math": 0.0}]
 

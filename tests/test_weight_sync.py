@@ -95,7 +95,8 @@ def test_a_corrupted_reload_fires_the_guard_and_a_fresh_engine_fixes_the_batch(p
     """The reload drops the tied alias (what vLLM alone does): the rollout samples from a stale
     output embedding; policy_step refuses the batch, restarts the engine on the checkpoint,
     regenerates and trains on the new batch."""
-    from dapo import pipeline
+    from dapo.stages import generation, scoring, setup, training
+    from dapo.sampling import SamplingState
     from dapo.rollout import vllm_engine
 
     a, b = policies[True]
@@ -103,17 +104,17 @@ def test_a_corrupted_reload_fires_the_guard_and_a_fresh_engine_fixes_the_batch(p
         model_path=a, trainer_backend="torch", dynamic_sampling=False, train_prompt_bsz=2, gen_prompt_bsz=2,
         ppo_mini_batch_size=1, n_samples_per_prompt=2, max_response_length=12, overlong_buffer_len=4,
     )
-    pipeline.prepare_data(config, tmp_path / "data")
+    setup.prepare_data(config, tmp_path / "data")
     close_cached_rollout_engine()
-    pipeline.policy_engine(config, a)  # the live engine holds A
+    generation.policy_engine(config, a)  # the live engine holds A
     monkeypatch.setattr(vllm_engine, "weights_with_tied_aliases", lambda weights, aliases: weights)
-    responses, _ = pipeline.rollout(config, b, str(tmp_path / "data"), step=1, round_index=0)  # in place, corrupted
-    scored = pipeline.verify_rewards(config, responses, step=1)
-    state = pipeline.SamplingState(rounds=1, generated_groups=2, kept_groups=2)
-    metrics = pipeline.policy_step(config, b, scored, state, 1, tmp_path / "next")
+    responses, _ = generation.rollout(config, b, str(tmp_path / "data"), step=1, round_index=0)  # in place, corrupted
+    scored = scoring.verify_rewards(config, responses, step=1)
+    state = SamplingState(rounds=1, generated_groups=2, kept_groups=2)
+    metrics = training.policy_step(config, b, scored, state, 1, tmp_path / "next")
     assert metrics["guard/rollout_logprob_gap"] > config.rollout_gap_threshold
     assert metrics["guard/regenerated"] == 1.0 and metrics["guard/stopped"] == 0.0
     assert metrics["actor/rollout_logprob_diff"] < config.rollout_gap_threshold
     assert metrics["actor/num_updates"] >= 1
-    engine = pipeline.policy_engine(config, b)
+    engine = generation.policy_engine(config, b)
     assert engine.last_reload_mode == "" and Path(engine.model_dir) == Path(b)  # a fresh engine on B

@@ -1,0 +1,165 @@
+"""The policy step: the update on a kept batch (dapo.update) with the rollout guard, its
+metrics, and the count of bad steps that stops a run."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+
+from dapo import checkpoint
+from dapo.config import StepConfig
+from dapo.faults import crash_point
+from dapo.sampling import SamplingState, informative_groups
+from dapo.stages.guard import default_regenerator, rollout_guard_message
+from dapo.stages.scoring import batch_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def policy_step(
+    config: StepConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path,
+    regenerate="default",
+) -> dict[str, float]:
+    """One DAPO update on the filtered batch by a trainer started on policy_dir for this step
+    (the per-stage path); writes the next checkpoint to out_dir.
+
+    A skipped step (`skips_update`, or the rollout guard: see `train_on_batch`) writes the
+    unchanged policy (optimizer state included) so the run goes on. Under a launcher with
+    several ranks every rank calls this with the same out_dir: all take part in the update
+    and in saving (collectives), and the metrics are the same on every rank.
+
+    regenerate: how a batch the rollout guard refuses is regenerated (`regenerate(batch)`);
+    default: `default_regenerator`, a fresh rollout engine on policy_dir.
+    """
+    from dapo.trainer import launcher_rank, make_trainer
+
+    def skip() -> dict[str, float]:
+        if launcher_rank() == 0:  # out_dir is shared by all ranks of a distributed step
+            copy_checkpoint(policy_dir, out_dir, step)
+        metrics["step/skipped"] = 1.0
+        return metrics
+
+    metrics = step_metrics(config, batch, state)
+    if skips_update(config, batch, state, step):
+        crash_point("policy_step", step)  # the kill tests reach this task on either path
+        return skip()
+    if regenerate == "default":
+        regenerate = default_regenerator(config, policy_dir, step)
+    trainer = make_trainer(config, policy_dir)
+    try:
+        if not train_on_batch(trainer, config, batch, step, metrics, regenerate, policy_dir):
+            return skip()
+        crash_point("policy_step", step)
+        trainer.save(str(out_dir))
+    finally:
+        trainer.close()
+    return metrics
+
+
+def step_metrics(config: StepConfig, batch: pa.Table, state: SamplingState) -> dict[str, float]:
+    """A policy step's metrics known before its update: the batch's groups, the sampling
+    rounds' counts and rollout throughput, and the guard's starting values."""
+    group_ids = batch.column("group_id").to_pylist()
+    return {
+        "sampling/kept_groups": float(len(set(group_ids))),
+        # groups with a non-zero advantage somewhere, whether or not dynamic sampling ran
+        "sampling/informative_groups": float(len(informative_groups(batch.column("reward").to_pylist(), group_ids))),
+        "sampling/rounds": float(state.rounds),
+        "sampling/kept_ratio": state.kept_ratio,
+        "rollout/tokens": state.rollout_tokens,
+        "rollout/seconds": state.rollout_seconds,
+        "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,
+        "step/skipped": 0.0,
+        "guard/threshold": config.rollout_gap_threshold,
+        "guard/regenerated": 0.0,
+        "guard/stopped": 0.0,
+    }
+
+
+def skips_update(config: StepConfig, batch: pa.Table, state: SamplingState, step: int) -> bool:
+    """Whether the step skips its update for want of groups (an empty batch; a short one
+    with on_short_batch="skip"); logs why, and a short batch that is trained on."""
+    groups, target = len(set(batch.column("group_id").to_pylist())), config.train_prompt_bsz
+    if groups == 0 or (groups < target and config.on_short_batch == "skip"):
+        logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
+                       step, groups, state.rounds, target, config.on_short_batch)
+        return True
+    if groups < target:
+        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, target, state.rounds)
+    return False
+
+
+def train_on_batch(
+    trainer, config: StepConfig, batch: pa.Table, step: int, metrics: dict[str, float], regenerate, policy_label: str = ""
+) -> bool:
+    """One DAPO update of `trainer` on the batch, behind the rollout guard; adds the update's
+    metrics (actor/, train/, guard/) to `metrics`. Returns whether the policy was updated.
+
+    The rollout guard: when the batch's rollout log-probs differ from the trainer's by more
+    than config.rollout_gap_threshold (mean per token), nothing is trained on it; the batch
+    is regenerated (`regenerate(batch)`) and the update runs on the new batch if its gap is
+    within the threshold. Otherwise (or with regenerate None) nothing is trained, and
+    guard/stopped = 1: `check_rollout_guard` then stops the run, after the metrics reach
+    MLflow. guard/rollout_logprob_gap is the first batch's gap. policy_label names the
+    policy in the messages (the per-stage path: its checkpoint).
+    """
+    from dapo.update import RolloutGapExceeded, policy_update
+
+    threshold = config.rollout_gap_threshold
+    try:
+        update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+    except RolloutGapExceeded as exceeded:
+        metrics["guard/rollout_logprob_gap"] = exceeded.gap
+        if regenerate is None:
+            metrics["guard/stopped"] = 1.0
+            logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_label, regenerated=False))
+            return False
+        logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
+                       "and regenerating it", step, exceeded.gap, threshold, policy_label or "the policy")
+        metrics["guard/regenerated"] = 1.0
+        batch = regenerate(batch)
+        metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
+        if batch.num_rows == 0:
+            logger.warning("step %d skipped: the regenerated batch has no informative group", step)
+            return False
+        try:
+            update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+        except RolloutGapExceeded as again:
+            metrics["guard/stopped"] = 1.0
+            metrics["guard/regenerated_logprob_gap"] = again.gap
+            logger.error("%s", rollout_guard_message(config, again.gap, step, policy_label))
+            return False
+    else:
+        metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
+    metrics.update({f"actor/{key}": value for key, value in update.items()})
+    metrics.update(batch_metrics(batch, prefix="train/"))
+    return True
+
+
+class TooManyBadSteps(RuntimeError):
+    """Consecutive policy steps whose every update was refused as non-finite."""
+
+
+def is_bad_step(step_metrics: dict[str, float]) -> bool:
+    """A step that refused at least one non-finite update and applied none."""
+    return step_metrics.get("actor/nonfinite_updates", 0.0) > 0 and step_metrics.get("actor/num_updates", 0.0) == 0
+
+
+def count_bad_steps(bad_steps: int, step_metrics: dict[str, float], max_bad_steps: int, step: int) -> int:
+    """Consecutive bad steps (is_bad_step) after this one. Raises TooManyBadSteps at max_bad_steps."""
+    bad_steps = bad_steps + 1 if is_bad_step(step_metrics) else 0
+    if bad_steps >= max_bad_steps:
+        raise TooManyBadSteps(
+            f"step {step}: {bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(max_bad_steps={max_bad_steps}); the last good checkpoint is the input of this step"
+        )
+    return bad_steps
+
+
+def copy_checkpoint(source: str | Path, target: str | Path, step: int) -> None:
+    """The unchanged policy (weights and optimizer state) as the checkpoint of a skipped step."""
+    with checkpoint.atomic_dir(target, step=step) as scratch:
+        shutil.copytree(source, scratch, dirs_exist_ok=True)
