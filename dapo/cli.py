@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import textwrap
+import types
 import typing
 
 from dapo.config import SECTIONS, ConfigError, DAPOConfig, flat_overrides, parse_assignments, read_config_file
@@ -37,7 +38,7 @@ def type_name(annotation: object) -> str:
     """A field's type as a reader writes it: int, float | None, one of "vllm" | "hf"."""
     if typing.get_origin(annotation) is typing.Literal:
         return " | ".join(repr(v) for v in typing.get_args(annotation))
-    if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(annotation))
     return "None" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 

@@ -393,7 +393,8 @@ def section_values(config: object, section: type) -> Any:
 def flat_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
     """Overrides as flat field names: {"algorithm": {"clip_high": 0.2}}, {"algorithm.clip_high": 0.2}
     and {"clip_high": 0.2} all give {"clip_high": 0.2}. ConfigError names an unknown field
-    (with the closest known one), a field under the wrong section, or a mistyped value."""
+    (with the closest known one) or a field under the wrong section; DAPOConfig checks the
+    values' types."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, Mapping):
@@ -408,7 +409,7 @@ def flat_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"unknown config field {dotted!r}{hint} (python -m dapo config lists them)")
             if section and section != SECTION_OF[name]:
                 raise ConfigError(f"{dotted!r}: {name} is in section {SECTION_OF[name]!r} ({SECTION_OF[name]}.{name})")
-            flat[name] = _typed(name, v)
+            flat[name] = v
     return flat
 
 
@@ -633,12 +634,9 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         return cls(**flat_overrides(values))
 
     def replace(self, **overrides: Any) -> "DAPOConfig":
-        """A copy with some fields changed, validated like a new config."""
-        return self.from_dict({**self.to_dict(), **overrides})
-
-    def updated(self, overrides: Mapping[str, Any]) -> "DAPOConfig":
-        """A copy with `overrides` (flat, dotted or by section) applied, validated."""
-        return self.replace(**flat_overrides(overrides))
+        """A copy with some fields changed (flat, dotted or by section: flat_overrides),
+        validated like a new config."""
+        return type(self)(**{**self.to_dict(), **flat_overrides(overrides)})
 
     @classmethod
     def preset_factories(cls) -> dict[str, Any]:
@@ -646,15 +644,12 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         return {"tiny_cpu": cls.tiny_cpu, "one_gpu_1p5b": cls.one_gpu_1p5b, "node_7b": cls.node_7b, "paper_32b": cls.paper_32b}
 
     @classmethod
-    def presets(cls) -> dict[str, "DAPOConfig"]:
-        return {name: make() for name, make in cls.preset_factories().items()}
-
-    @classmethod
-    def preset(cls, name: str, overrides: dict[str, Any] | None = None) -> "DAPOConfig":
-        presets = cls.presets()
-        if name not in presets:
-            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return presets[name].updated(overrides or {})
+    def preset(cls, name: str, overrides: Mapping[str, Any] | None = None) -> "DAPOConfig":
+        """The preset `name` (only that one is built) with `overrides` (flat, dotted or by section)."""
+        factories = cls.preset_factories()
+        if name not in factories:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(factories)}")
+        return factories[name]().replace(**(overrides or {}))
 
     # --- presets ----------------------------------------------------------------------
     @classmethod

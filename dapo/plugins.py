@@ -63,18 +63,24 @@ def load_user_function(spec: str, kind: str = "function") -> Callable:
     return function
 
 
+def named_functions(config) -> list[tuple[str, str, str]]:
+    """(field, spec, kind) of every function the config names: reward_fn, each scorer of
+    reward_fn_by_source, loss_fn."""
+    return [("reward_fn", config.reward_fn, "scorer"), ("loss_fn", config.loss_fn, "policy loss"),
+            *((f"reward_fn_by_source[{source!r}]", spec, "scorer") for source, spec in config.reward_fn_by_source.items())]
+
+
 def check_named_functions(config) -> None:
-    """Load every function the config names (reward_fn, reward_fn_by_source, loss_fn), so
-    that a misspelt one fails when the run starts, naming its field, not steps later."""
+    """Load every function the config names (named_functions), so that a misspelt one fails
+    when the run starts, naming its field, not steps later."""
     from dapo.config import ConfigError
     from dapo.loss import POLICY_LOSSES
     from dapo.rewards import SCORERS
 
-    named = [("reward_fn", config.reward_fn, SCORERS, "scorer"), ("loss_fn", config.loss_fn, POLICY_LOSSES, "policy loss")]
-    named += [(f"reward_fn_by_source[{source!r}]", spec, SCORERS, "scorer") for source, spec in config.reward_fn_by_source.items()]
-    for field, spec, registry, kind in named:
+    registries = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
+    for field, spec, kind in named_functions(config):
         try:
-            resolve(spec, registry, kind)
+            resolve(spec, registries[kind], kind)
         except PluginError as error:
             raise ConfigError(f"DAPOConfig.{field}: {error}") from error
 
@@ -83,10 +89,12 @@ def user_code_digest(config) -> str:
     """sha256 of the source files of the user's functions the config names ("" when it
     names none): resolve_config puts it in the step config, so that cached steps follow
     the code of a reward or loss edited since, not only its name."""
-    specs = sorted({config.reward_fn, config.loss_fn, *config.reward_fn_by_source.values()})
+    specs = sorted({spec for _, spec, _ in named_functions(config) if is_user_spec(spec)})
+    if not specs:
+        return ""
     digest = hashlib.sha256()
-    for spec in filter(is_user_spec, specs):
+    for spec in specs:
         where = spec.rpartition(":")[0]
         path = where if where.endswith(".py") else importlib.util.find_spec(where).origin
         digest.update(spec.encode() + Path(path).read_bytes())
-    return digest.hexdigest()[:16] if any(map(is_user_spec, specs)) else ""
+    return digest.hexdigest()[:16]

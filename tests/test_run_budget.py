@@ -71,4 +71,4 @@ def test_the_budget_prices_the_configs_own_cluster():
 @pytest.mark.parametrize("field", ["run.steps_per_chunk", "cluster.chunk_timeout_minutes", "cluster.measured_step_minutes"])
 def test_budget_fields_reject_bad_values(field):
     with pytest.raises(ConfigError, match=f"{field}="):
-        DAPOConfig.tiny_cpu().updated({field: -1})
+        DAPOConfig.tiny_cpu().replace(**{field: -1})

@@ -97,6 +97,7 @@ def test_a_new_loss_is_one_registered_function_chosen_by_name(policy_dir, monkey
     from dapo.trainer import make_trainer
 
     calls = []
+    monkeypatch.delitem(loss.POLICY_LOSSES, "reinforce", raising=False)  # registered below, gone after the test
 
     @loss.register_policy_loss("reinforce")
     def reinforce(log_prob, old_log_prob, advantages, response_mask, config):
@@ -104,7 +105,6 @@ def test_a_new_loss_is_one_registered_function_chosen_by_name(policy_dir, monkey
         calls.append(log_prob.shape)
         return -advantages * log_prob, {"calls": float(len(calls))}
 
-    monkeypatch.setitem(loss.POLICY_LOSSES, "reinforce", reinforce)
     config = make_config(loss_fn="reinforce", micro_batch_size=4)
     result, _ = accumulate(make_trainer(config, policy_dir), scored_table(), config)
     assert calls and "calls" in result and "clipfrac" not in result

@@ -81,8 +81,8 @@ def first_groups(table: pa.Table, n_groups: int) -> pa.Table:
 
 
 def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
-    """Reward, accuracy and length statistics of a scored table, and how many of its
-    verdicts math-verify did not give (`unverified`, a count)."""
+    """Reward, task score, accuracy and length statistics of a scored table, the scorers' own
+    metrics, and how many verdicts the scorer did not give (`unverified`, a count)."""
     if scored.num_rows == 0:
         return {}
     lengths = [len(ids) for ids in scored.column("response_token_ids").to_pylist()]
@@ -96,16 +96,15 @@ def batch_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
         f"{prefix}response_length_mean": sum(lengths) / len(lengths),
         f"{prefix}response_length_max": float(max(lengths)),
         f"{prefix}unverified": sum(column("unverified")),  # verdicts the scorer did not give: counted as wrong
+        f"{prefix}score_mean": sum(column("score")) / len(lengths),
         **scorer_metrics(scored, prefix),
     }
 
 
 def scorer_metrics(scored: pa.Table, prefix: str = "") -> dict[str, float]:
-    """The mean task score R_task, and each of the scorers' own metrics averaged over the
-    rows that have it ({prefix}score/<name>)."""
-    sums: dict[str, list[float]] = {}
+    """Each of the scorers' own metrics averaged over the rows that have it ({prefix}score/<name>)."""
+    values: dict[str, list[float]] = {}
     for row in scored.column("score_metrics").to_pylist():
         for name, value in row or ():
-            sums.setdefault(name, []).append(value)
-    scores = scored.column("score").to_pylist()
-    return {f"{prefix}score_mean": sum(scores) / len(scores), **{f"{prefix}score/{k}": sum(v) / len(v) for k, v in sorted(sums.items())}}
+            values.setdefault(name, []).append(value)
+    return {f"{prefix}score/{name}": sum(v) / len(v) for name, v in sorted(values.items())}
