@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -468,3 +469,106 @@ def test_vllm_worker_processes_and_shared_memory_are_released(policy_dir, pertur
     assert report["reload_changed_output"]
     assert report["reload_max_diff"] < LOG_PROB_TOLERANCE  # the workers hold exactly the new weights
     assert_released(report["before"], report["during"], report["after"])
+
+
+DATA_PARALLEL_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch.distributed as dist
+    from dapo.rollout import SamplingSettings, make_rollout_engine
+
+    rank = int(os.environ["RANK"])
+    with make_rollout_engine("vllm", sys.argv[1], max_model_len=256, distributed_executor_backend="external_launcher",
+                             data_parallel_size=2) as engine:
+        for round_index, idle_rank in enumerate((1, None)):
+            prompts = [] if rank == idle_rank else ["What is 1 + 2?", "What is 3 + 4?"]
+            completions = engine.generate(prompts, SamplingSettings(n=2, max_tokens=8, seed=round_index))
+            print(f"RANK {rank} ROUND {round_index} COMPLETIONS {len(completions)}", flush=True)
+            everyone = [None, None]
+            dist.all_gather_object(everyone, len(completions))  # as RolloutGroups.gather does after a round
+    """
+)
+
+
+@needs_vllm
+def test_vllm_data_parallel_engines_finish_their_rounds_when_one_has_no_prompts(policy_dir, tmp_path):
+    """Under the external launcher with data parallelism the engines step in lockstep (each
+    step asks all of them whether any has work): an engine with nothing to generate still
+    takes its turns; returning early, it went on to the next collective while the other
+    waited on it (a hang)."""
+    script = tmp_path / "data_parallel_engines.py"
+    script.write_text(DATA_PARALLEL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), policy_dir], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("RANK "))
+    assert lines == ["RANK 0 ROUND 0 COMPLETIONS 4", "RANK 0 ROUND 1 COMPLETIONS 4",
+                     "RANK 1 ROUND 0 COMPLETIONS 0", "RANK 1 ROUND 1 COMPLETIONS 4"]
+
+
+@needs_vllm
+def test_a_closed_vllm_engine_frees_its_model_and_says_when_something_still_holds_it(policy_dir, prompts, caplog):
+    """What a closed engine held is collected (vLLM 0.26 left the in-process engine's objects
+    frozen out of the garbage collector: close undoes that); a model something else still
+    references is reported, since its memory does not come back."""
+    close_cached_rollout_engine()
+    with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+        engine.generate(prompts[:1], SamplingSettings(n=1, max_tokens=4))
+        model = engine._model_ref
+        assert model() is not None
+    assert model() is None and "still referenced" not in caplog.text
+
+    with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+        holder = [engine._model_ref()]
+    assert engine._model_ref() is holder[0]
+    assert "the closed vLLM engine's model is still referenced" in caplog.text
+
+
+@needs_vllm
+def test_vllm_cpu_refuses_the_direct_in_memory_sync(policy_dir):
+    """vLLM's CPU build repacks linear weights after loading (their parameters are empty then):
+    the model's own load_weights cannot write into them, so the CPU syncs layerwise."""
+    close_cached_rollout_engine()
+    with pytest.raises(ValueError, match="in_memory_sync='direct' cannot load into vLLM's CPU build"):
+        make_rollout_engine("vllm", policy_dir, in_memory_sync="direct", **ENGINE_SETTINGS)
+    with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+        assert engine.in_memory_sync == "layerwise"
+
+
+# --- vLLM's memory around a colocated update (no vLLM needed: the engine's waking logic) ---
+def test_waking_a_released_engine_returns_the_trainers_cached_memory_first(monkeypatch):
+    from dapo.rollout import vllm_engine
+
+    calls = []
+
+    class FakeLLM:
+        def wake_up(self, tags):
+            calls.append(("wake_up", tags))
+
+    monkeypatch.setattr(vllm_engine, "empty_accelerator_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setattr(vllm_engine, "free_accelerator_bytes", lambda: 10 * 2**30)
+    engine = SimpleNamespace(released=True, _slept_bytes=8 * 2**30)
+    with vllm_engine.VLLMRolloutEngine._awake(engine, FakeLLM()):
+        calls.append(("reload",))
+    assert calls == [("empty_cache",), ("wake_up", ["weights"]), ("reload",), ("wake_up", ["kv_cache"])]
+
+    calls.clear()
+    engine._slept_bytes = 12 * 2**30  # the trainer kept more than the engine gave up
+    with pytest.raises(RuntimeError, match=r"needs the 12.00 GiB its sleep freed, but 10.00 GiB are free .*"
+                                           r"rollout.colocated_rollout_gpu_memory"):
+        with vllm_engine.VLLMRolloutEngine._awake(engine, FakeLLM()):
+            calls.append(("reload",))
+    assert calls == [("empty_cache",)]  # refused before vLLM allocates anything
+
+
+def test_an_engine_that_cannot_fit_beside_the_trainer_is_refused_with_the_numbers():
+    from dapo.rollout.vllm_engine import start_memory_problem
+
+    gib = 2**30
+    assert start_memory_problem(60 * gib, 80 * gib, 0.5) == ""
+    problem = start_memory_problem(30 * gib, 80 * gib, 0.5)
+    assert "gpu_memory_utilization=0.5 x 80.0 GiB = 40.0 GiB, but 30.0 GiB are free (50.0 GiB held by others" in problem
+    assert "rollout.colocated_rollout_gpu_memory" in problem

@@ -351,3 +351,15 @@ def test_prune_step_dirs_keeps_the_newest_steps_of_the_run(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == ["policy-2-aa", "policy-3-cc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "policy-10-bb", "policy-10-dd"]
     assert prune_step_dirs(tmp_path / "missing", keep=1) == []
+
+
+def test_zero3_sync_gathers_parameters_in_buckets_of_their_whole_size():
+    """One all-gather per bucket of about SYNC_BUCKET_BYTES, not one per parameter; a ZeRO-3
+    parameter's local tensor is a shard, its whole size ds_numel."""
+    from dapo.trainer.deepspeed_backend import parameter_buckets
+
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([10, 10, 30, 5, 40, 1])]
+    params[3][1].ds_numel = 25  # a shard of 5 elements of a 25-element parameter
+    buckets = [[name for name, _ in bucket] for bucket in parameter_buckets(params, bucket_bytes=4 * 30)]
+    assert buckets == [["p0", "p1"], ["p2"], ["p3"], ["p4"], ["p5"]]  # 40 + 25 > 30, a 40 alone
+    assert [n for b in parameter_buckets(params, bucket_bytes=2**30) for n, _ in b] == [n for n, _ in params]

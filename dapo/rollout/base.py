@@ -195,9 +195,9 @@ class RolloutEngine(ABC):
         sampling.validate()
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not a string")
-        if not prompts:
-            return []
-        prompt_token_ids = self.tokenize(prompts)
+        # No early return for no prompts: an engine stepping in lockstep with others (vLLM's
+        # data parallelism under the external launcher) still takes its turns until all finish.
+        prompt_token_ids = self.tokenize(prompts) if prompts else []
         for index, ids in enumerate(prompt_token_ids):
             if not ids:
                 raise ValueError(f"prompt {index} is empty after tokenization")

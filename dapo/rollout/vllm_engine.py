@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 
 from dapo.rollout.base import (
@@ -23,6 +24,12 @@ from dapo.rollout.vllm_local import (
 logger = logging.getLogger(__name__)
 
 LOGPROBS_MODE = "processed_logprobs"
+
+IN_MEMORY_SYNC_METHODS = ("auto", "direct", "layerwise")
+"""How weights get into the live model in place: "direct" calls the model's own load_weights
+(each tensor copied into its parameter, as TRL and verl sync; CUDA), "layerwise" vLLM's
+layerwise reload (each layer rebuilt and post-processed: needed where the kernels repack
+weights after loading, as vLLM's CPU build does); "auto" chooses by platform."""
 
 _live_lock = threading.Lock()
 _live_inprocess: "VLLMRolloutEngine | None" = None
@@ -50,13 +57,19 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int = 0,
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
+        in_memory_sync: str = "auto",
         **engine_kwargs,
     ):
         super().__init__(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
         self.enforce_eager = enforce_eager
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.engine_kwargs = engine_kwargs
+        if in_memory_sync not in IN_MEMORY_SYNC_METHODS:
+            raise ValueError(f"in_memory_sync={in_memory_sync!r}: must be one of {IN_MEMORY_SYNC_METHODS}")
+        self.in_memory_sync = in_memory_sync
         self._llm = None
+        self._model_ref = None  # a weak reference to the in-process model: close checks that it is freed
+        self._slept_bytes = 0  # accelerator memory that sleep freed, which waking takes back
         self._inprocess = False
         self._serving_threads = 1
         self.start_seconds = 0.0
@@ -87,6 +100,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
             quiet_repeated_warnings()
             on_cpu = current_platform.is_cpu()
+            if self.in_memory_sync == "auto":
+                self.in_memory_sync = "layerwise" if on_cpu else "direct"
+            elif self.in_memory_sync == "direct" and on_cpu:
+                raise ValueError("in_memory_sync='direct' cannot load into vLLM's CPU build, whose linear layers repack "
+                                 "their weights after loading (their parameters are empty then): use 'layerwise'")
             if on_cpu:
                 options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes)
             elif self.kv_cache_memory_bytes is not None:
@@ -94,6 +112,11 @@ class VLLMRolloutEngine(RolloutEngine):
             else:
                 options = {}
             options.update(self.engine_kwargs)
+            if not on_cpu and torch.cuda.is_available():
+                empty_accelerator_cache()
+                problem = start_memory_problem(*torch.cuda.mem_get_info(), options.get("gpu_memory_utilization", 0.9))
+                if problem:
+                    raise RuntimeError(problem)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
             enforce_eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
@@ -111,6 +134,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
             self._inprocess = self._driver_worker_inprocess()
             self._tied_aliases = self._find_tied_aliases()
+            if self._inprocess:
+                with self._vllm_call() as llm:
+                    self._model_ref = llm.apply_model(weakref.ref)[0]
         except BaseException:
             with _live_lock:
                 if _live_inprocess is self:
@@ -147,7 +173,12 @@ class VLLMRolloutEngine(RolloutEngine):
                     logger.warning("vLLM engine shutdown raised; continuing", exc_info=True)
                 finally:
                     del llm
-                    gc.collect()
+                    release_closed_engine_memory()
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            logger.warning("the closed vLLM engine's model is still referenced (%d referrer(s)): its memory is not returned",
+                           len(gc.get_referrers(model)))
+        del model
         with _live_lock:
             if _live_inprocess is self:
                 _live_inprocess = None
@@ -192,10 +223,12 @@ class VLLMRolloutEngine(RolloutEngine):
         with self._vllm_call() as llm:
             # enqueue returns vLLM's internal request ids; outputs carry the external ones, which
             # count up in the order the requests were added (LLM.generate sorts on them, too).
-            internal_ids = llm.enqueue(prompts, params, use_tqdm=False)
+            internal_ids = llm.enqueue(prompts, params, use_tqdm=False) if prompts else []
             engine = llm.llm_engine
             finished = []
             try:
+                # Under the external launcher with data parallelism this is a collective of the
+                # engines, and an idle one runs dummy batches: every engine loops until all finish.
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished:
@@ -301,12 +334,16 @@ class VLLMRolloutEngine(RolloutEngine):
         logger.info("synced %d tensors into vLLM in memory in %.3f s", len(names), self.last_reload_seconds)
 
     def _reload_in_process(self, weights) -> None:
-        """vLLM's in-place reload from (name, tensor) pairs, each tied alias added
-        (weights_with_tied_aliases), then a prefix-cache reset: its KV blocks were computed
-        with the old weights."""
+        """(name, tensor) pairs, each tied alias added (weights_with_tied_aliases), into the
+        live model by self.in_memory_sync, then a prefix-cache reset: its KV blocks were
+        computed with the old weights."""
+        weights = weights_with_tied_aliases(weights, self._tied_aliases or {})
         with self._vllm_call() as llm:
             with self._awake(llm):
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights_with_tied_aliases(weights, self._tied_aliases or {})})
+                if self.in_memory_sync == "direct":
+                    llm.apply_model(lambda model: model.load_weights(weights))
+                else:
+                    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             llm.reset_prefix_cache()
 
     def _release_memory(self) -> bool:
@@ -314,14 +351,23 @@ class VLLMRolloutEngine(RolloutEngine):
         started with enable_sleep_mode, a CUDA feature): the next reload brings the weights."""
         if not self.engine_kwargs.get("enable_sleep_mode"):
             return False
+        free_before = free_accelerator_bytes()
         with self._vllm_call() as llm:
             llm.sleep(level=2)
+        self._slept_bytes = max(0, free_accelerator_bytes() - free_before)
         return True
 
     @contextmanager
     def _awake(self, llm):
-        """Around a weight reload: a released engine's weight memory back first, its KV cache after."""
+        """Around a weight reload: a released engine's weight memory back first, its KV cache
+        after. What the trainer freed is still in PyTorch's cache, where vLLM's allocator
+        cannot reach it: it goes back to the device first (as TRL and verl do), and a wake-up
+        that cannot fit is refused with the numbers instead of an out-of-memory deep in vLLM."""
         if self.released:
+            empty_accelerator_cache()
+            problem = wake_up_problem(self._slept_bytes, free_accelerator_bytes())
+            if problem:
+                raise RuntimeError(problem)
             llm.wake_up(tags=["weights"])
         yield
         if self.released:
@@ -347,6 +393,61 @@ class VLLMRolloutEngine(RolloutEngine):
         self.last_reload_mode = "restart"
         self.last_reload_seconds = time.perf_counter() - started
         logger.info("restarted the vLLM engine on %s in %.1f s", checkpoint_dir, self.last_reload_seconds)
+
+
+def free_accelerator_bytes() -> int:
+    """The current CUDA device's free memory (0 without one)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def empty_accelerator_cache() -> None:
+    """Blocks PyTorch's caching allocator keeps after they were freed (a trainer's, a closed
+    engine's) back to the device, where vLLM's own allocator and a new engine find them."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def release_closed_engine_memory() -> None:
+    """What a closed in-process engine held, collected: vLLM's engine core freezes its startup
+    objects out of the garbage collector (0.26's shutdown leaves them frozen), and
+    torch.compile's hooks hold the compiled model."""
+    import torch
+
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch._dynamo.reset()
+        gc.collect()
+    empty_accelerator_cache()
+
+
+def start_memory_problem(free_bytes: int, total_bytes: int, utilization: float) -> str:
+    """Why an engine allowed utilization x the device's memory cannot start with free_bytes
+    free ("" if it can): vLLM reserves that share whole at start, beside what others (a
+    colocated trainer) hold."""
+    wanted = utilization * total_bytes
+    if wanted <= free_bytes:
+        return ""
+    gib = 2**30
+    return (f"the vLLM engine would reserve gpu_memory_utilization={utilization} x {total_bytes / gib:.1f} GiB = "
+            f"{wanted / gib:.1f} GiB, but {free_bytes / gib:.1f} GiB are free ({(total_bytes - free_bytes) / gib:.1f} GiB "
+            "held by others, e.g. the colocated trainer): lower rollout.colocated_rollout_gpu_memory, or the trainer's memory")
+
+
+def wake_up_problem(slept_bytes: int, free_bytes: int) -> str:
+    """Why a released engine cannot take back the slept_bytes its sleep freed ("" if it can)."""
+    if slept_bytes <= free_bytes:
+        return ""
+    gib = 2**30
+    return (f"waking the vLLM engine needs the {slept_bytes / gib:.2f} GiB its sleep freed, but {free_bytes / gib:.2f} GiB "
+            "are free after the update (the trainer holds the rest): lower rollout.colocated_rollout_gpu_memory, or the "
+            "trainer's memory (trainer.micro_batch_size, trainer.zero_stage)")
 
 
 def tied_parameter_aliases(model) -> dict[str, str]:

@@ -50,6 +50,25 @@ logger = logging.getLogger(__name__)
 DS_STATE_SUBDIR = "deepspeed"
 DS_TAG = "state"
 
+SYNC_BUCKET_BYTES = 512 * 2**20
+"""Under ZeRO-3 the in-memory sync gathers parameters in buckets of about this many bytes:
+one all-gather per bucket rather than per parameter (verl sends buckets, too)."""
+
+
+def parameter_buckets(named_parameters, bucket_bytes: int) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive (name, parameter) pairs in groups whose whole (gathered) sizes add up to
+    at most bucket_bytes; a larger parameter forms a group alone."""
+    bucket, size = [], 0
+    for name, param in named_parameters:
+        nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += nbytes
+    if bucket:
+        yield bucket
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -240,16 +259,19 @@ class DeepSpeedTrainer(PolicyTrainer):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The HF model's parameters (not the engine's "module."-prefixed names); under ZeRO-3
-        each is gathered whole in turn and copied (its gathered storage is released after)."""
+        gathered whole a bucket at a time (parameter_buckets) and copied: the gathered
+        storage is released after each bucket, and the reader may keep a copy longer
+        (vLLM's layerwise reload holds a layer's tensors until the layer is complete)."""
         if self.stage != 3:
             for name, param in self.engine.module.named_parameters():
                 yield name, param.detach()
             return
         import deepspeed
 
-        for name, param in self.engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([param]):
-                yield name, param.detach().clone()
+        for bucket in parameter_buckets(self.engine.module.named_parameters(), SYNC_BUCKET_BYTES):
+            with deepspeed.zero.GatheredParameters([param for _, param in bucket]):
+                for name, param in bucket:
+                    yield name, param.detach().clone()
 
     # --- distributed helpers ----------------------------------------------------------
     def barrier(self) -> None:
