@@ -112,9 +112,10 @@ class VLLMRolloutEngine(RolloutEngine):
             else:
                 options = {}
             options.update(self.engine_kwargs)
-            if not on_cpu and torch.cuda.is_available():
+            if "gpu_memory_utilization" in options and torch.cuda.is_available() and torch.cuda.is_initialized():
+                # beside a trainer in this process (colocated): its cached blocks first, then the fit
                 empty_accelerator_cache()
-                problem = start_memory_problem(*torch.cuda.mem_get_info(), options.get("gpu_memory_utilization", 0.9))
+                problem = start_memory_problem(*torch.cuda.mem_get_info(), options["gpu_memory_utilization"])
                 if problem:
                     raise RuntimeError(problem)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
