@@ -158,6 +158,15 @@ class AlgorithmConfig:
     "seq-mean-token-sum-norm" (Dr. GRPO)."""
     overlong_filtering: bool = False
     """Mask truncated responses out of the loss (the paper's "overlong filtering" ablation)."""
+    rollout_correction: str = "none"
+    """Importance weights for the rollout engine's mismatch with the trainer, on each token's
+    loss (dapo.rollout_correction.ROLLOUT_CORRECTIONS): "none", "token_tis", "sequence_tis"
+    (truncated at rollout_correction_threshold), "token_mask", "sequence_mask" (zero above
+    it). Off by default, as in verl (TRL turns on "sequence_mask" at 3): the loop is on
+    policy and the rollout guard stops gaps that mean a broken sync; the rollout_corr/
+    metrics are logged either way."""
+    rollout_correction_threshold: float = 2.0
+    """C: the ratio pi_old / pi_rollout a weight may reach (verl's rollout_is_threshold 2.0; TRL's cap 3.0)."""
     seed: int = 0
     """Seed of the RL run: prompt choice, sampling, mini-batch order (the embedded task and policy are fixed)."""
 
@@ -504,6 +513,11 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         from dapo.loss import LOSS_AGGREGATIONS  # the registries live with the formulas
 
         need(self.loss_agg_mode in LOSS_AGGREGATIONS, "loss_agg_mode", f"must be one of {sorted(LOSS_AGGREGATIONS)}")
+        from dapo.rollout_correction import ROLLOUT_CORRECTIONS
+
+        need(self.rollout_correction in ROLLOUT_CORRECTIONS, "rollout_correction", f"must be one of {sorted(ROLLOUT_CORRECTIONS)}")
+        need(self.rollout_correction_threshold >= 1.0, "rollout_correction_threshold",
+             "must be >= 1 (a weight of 1, no mismatch, must pass)")
         need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
         need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")

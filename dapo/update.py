@@ -44,6 +44,7 @@ from dapo.config import DAPOConfig
 from dapo.loss import LOSS_AGGREGATIONS, POLICY_LOSSES, masked_mean
 from dapo.micro_batches import plan_micro_batches
 from dapo.plugins import resolve as resolve_plugin
+from dapo.rollout_correction import correction_weights
 
 if TYPE_CHECKING:
     from dapo.trainer import PolicyTrainer
@@ -75,6 +76,7 @@ class StepData:
     loss_mask: torch.Tensor  # (B, R) float
     group_rows: list[torch.Tensor]  # row indices of each group, in order of first appearance
     metrics: dict[str, float]
+    rollout_weights: torch.Tensor | None = None  # (B, R) rollout correction w_{i,t}; None: off
 
 
 def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, temperature: float) -> StepData:
@@ -91,6 +93,13 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
         loss_mask[truncated] = 0.0
 
     old_log_probs, entropy = trainer.log_probs(batch, temperature)
+    rollout_log_probs, covered = rollout_log_prob_tensor(scored, old_log_probs, batch.response_mask)
+    compared = response_mask * covered.unsqueeze(-1)
+    rollout_weights, correction_metrics = correction_weights(
+        old_log_probs, rollout_log_probs, compared, config.rollout_correction, config.rollout_correction_threshold
+    )
+    if rollout_weights is not None:
+        rollout_weights = torch.where(covered.unsqueeze(-1), rollout_weights, response_mask)  # rows without rollout log-probs: 1
 
     index = group_index(group_ids)
     group_rows = [(index == g).nonzero().flatten() for g in range(int(index.max()) + 1)]
@@ -105,22 +114,24 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
         "truncated_frac": truncated.float().mean().item(),
         "advantage_abs_mean": advantages.abs().mean().item(),
         "groups": float(len(group_rows)),
-        "rollout_logprob_diff": _rollout_diff(scored, old_log_probs, batch.response_mask),
+        "rollout_logprob_diff": masked_mean((old_log_probs - rollout_log_probs).abs(), compared).item()
+        if compared.any() else float("nan"),
+        **correction_metrics,
     }
-    return StepData(batch, advantages, old_log_probs, entropy, loss_mask, group_rows, metrics)
+    return StepData(batch, advantages, old_log_probs, entropy, loss_mask, group_rows, metrics, rollout_weights)
 
 
-def _rollout_diff(scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
-    """Mean |recomputed - rollout| log-prob over tokens of rows whose rollout log-probs cover the response."""
-    total, count = 0.0, 0
+def rollout_log_prob_tensor(scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout engine's log-probs (B, R) beside the trainer's, and which rows have them for
+    their whole response (covered, (B,)); an uncovered row holds the trainer's own."""
+    rollout = old_log_probs.detach().clone()
+    covered = torch.zeros(len(rollout), dtype=torch.bool)
     for row, values in enumerate(scored.column("rollout_log_probs").to_pylist()):
         n = int(response_mask[row].sum())
-        if not values or len(values) < n or n == 0:
-            continue
-        rollout = torch.as_tensor(values[:n], dtype=torch.float32)
-        total += (old_log_probs[row, :n] - rollout).abs().sum().item()
-        count += n
-    return total / count if count else float("nan")
+        if values and len(values) >= n > 0:
+            rollout[row, :n] = torch.as_tensor(values[:n], dtype=rollout.dtype)
+            covered[row] = True
+    return rollout, covered
 
 
 def minibatch_backward(
@@ -174,6 +185,8 @@ def minibatch_backward(
             micro_mask,
             config,
         )
+        if data.rollout_weights is not None:  # w_{i,t}: dapo.rollout_correction
+            token_loss = token_loss * F.pad(data.rollout_weights[chunk], (0, pad)).to(device, token_loss.dtype)
         loss = aggregation.reduce(token_loss, micro_mask.to(token_loss.dtype))
         if not keys:
             keys = ["pg_loss", *loss_metrics]
@@ -216,7 +229,9 @@ def policy_update(
     Metrics: pg_loss, clipfrac, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl,
     ratio_mean, grad_norm (pre-clip) averaged over applied updates; lr; entropy (mean
     token entropy under the policy before the step); rollout_logprob_diff (mean |old -
-    rollout| log-prob, NaN when the rollout gave none); response_length_mean/max;
+    rollout| log-prob, NaN when the rollout gave none); rollout_corr/kl and k3_kl (the
+    mismatch), and with config.rollout_correction its weights' metrics
+    (dapo.rollout_correction); response_length_mean/max;
     tokens (valid response tokens), loss_tokens (after overlong filtering);
     num_updates (applied), nonfinite_updates (refused), empty_updates (mini-batches
     with no valid token); step_seconds.

@@ -125,6 +125,8 @@ def test_overrides_by_section_dotted_or_flat_give_the_same_config():
     ({"algorithm.filter_metric": "score"}, "algorithm.filter_metric='score': must be one of \\('acc', 'reward'\\)"),
     ({"trainer.zero_stage": 4}, "trainer.zero_stage=4: must be one of \\(0, 1, 2, 3\\)"),
     ({"model.embedded_warm_start_steps": 1.5}, "model.embedded_warm_start_steps=1.5: must be int"),
+    ({"algorithm.rollout_correction": "tis"}, "algorithm.rollout_correction='tis': must be one of \\['none', 'sequence_mask'"),
+    ({"algorithm.rollout_correction_threshold": 0.5}, "algorithm.rollout_correction_threshold=0.5: must be >= 1"),
 ])
 def test_a_misplaced_misspelt_or_mistyped_field_is_refused_naming_it(overrides, message):
     with pytest.raises(ConfigError, match=message):

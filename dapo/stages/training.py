@@ -134,7 +134,7 @@ def train_on_batch(
             return False
     else:
         metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
-    metrics.update({f"actor/{key}": value for key, value in update.items()})
+    metrics.update({key if "/" in key else f"actor/{key}": value for key, value in update.items()})  # rollout_corr/ keeps its group
     metrics.update(batch_metrics(batch, prefix="train/"))
     return True
 
