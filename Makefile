@@ -16,9 +16,9 @@ PIP_INSTALL = $(PY) -m pip install -q --no-compile -c requirements-lock.txt
 $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -e '.[cpu,dev]'
-	# verl's rollout correction, the reference tests/test_rollout_correction.py compares against
-	# (its own file only: the verl package's imports, ray and more, are not installed)
-	$(PY) -m pip install -q --no-deps verl==0.9.1
+	# verl's wheel, read (not installed) by tests/test_rollout_correction.py: its rollout
+	# correction is the reference ours is compared against
+	$(PY) -m pip download -q --no-deps -d $(VENV)/reference verl==0.9.1
 	$(DROP_CUDA_EXTRAS)
 	touch $@
 

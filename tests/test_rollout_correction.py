@@ -4,10 +4,10 @@ its formulas, and against verl 0.9.1's implementation on the same random inputs.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import math
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -82,18 +82,21 @@ def test_weights_carry_no_gradient():
 
 
 # --- verl 0.9.1 -------------------------------------------------------------------------
+VERL_WHEEL = Path(sys.prefix) / "reference" / "verl-0.9.1-py3-none-any.whl"
+"""Downloaded by `make setup`, not installed (its package imports ray and more)."""
+
+
 @pytest.fixture(scope="module")
 def verl_helper():
-    """verl 0.9.1's verl/trainer/ppo/rollout_corr_helper.py, loaded from its installed file
-    (`pip install --no-deps verl==0.9.1`, as `make setup` does). The verl package's own
-    __init__ imports ray; the helper's imports are given: its masked_sum and masked_mean
-    are verl's source (verl/utils/torch_functional.py), the three config and protocol
-    classes it only names in annotations are placeholders."""
-    spec = importlib.util.find_spec("verl")
-    if spec is None:
-        pytest.fail("verl 0.9.1 is not installed: `make setup` installs it (--no-deps) as the reference implementation")
-    root = Path(spec.submodule_search_locations[0])
-    functional = ast.parse((root / "utils" / "torch_functional.py").read_text())
+    """verl 0.9.1's verl/trainer/ppo/rollout_corr_helper.py, run from its wheel's own source.
+    Its imports are given: masked_sum and masked_mean are verl's source
+    (verl/utils/torch_functional.py, whose other imports need tensordict); the three config
+    and protocol classes it names only in annotations are placeholders."""
+    if not VERL_WHEEL.exists():
+        pytest.fail(f"{VERL_WHEEL} is missing: `make setup` downloads it")
+    with zipfile.ZipFile(VERL_WHEEL) as wheel:
+        functional = ast.parse(wheel.read("verl/utils/torch_functional.py"))
+        helper_source = wheel.read("verl/trainer/ppo/rollout_corr_helper.py")
     wanted = [node for node in functional.body if isinstance(node, ast.FunctionDef) and node.name in ("masked_sum", "masked_mean")]
     verl_f = types.ModuleType("verl.utils.torch_functional")
     verl_f.torch = torch
@@ -109,9 +112,8 @@ def verl_helper():
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
     try:
-        helper_spec = importlib.util.spec_from_file_location("verl_rollout_corr_helper", root / "trainer" / "ppo" / "rollout_corr_helper.py")
-        helper = importlib.util.module_from_spec(helper_spec)
-        helper_spec.loader.exec_module(helper)
+        helper = types.ModuleType("verl_rollout_corr_helper")
+        exec(compile(helper_source, "verl/trainer/ppo/rollout_corr_helper.py", "exec"), helper.__dict__)
     finally:
         for name, module in saved.items():
             if module is None:
