@@ -1,8 +1,19 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and the order test files are handed to `make test`'s workers."""
 
 import pytest
 
 from servers import start_s3, stop
+
+LONGEST_FILES_FIRST = ("test_pod_simulation.py", "test_reruns.py", "test_workflow_local.py", "test_learning.py",
+                       "test_tracking.py", "test_colocated.py")
+"""The files that take minutes (pytest --durations), handed out first: with a file to a worker
+(--dist loadfile) in collection order, the longest one collected last (alphabetical) kept
+one worker busy for minutes after the other had run out of work."""
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="module")
