@@ -112,12 +112,6 @@ def imported_distributions() -> list[str]:
                    if getattr(module, "__file__", None) in owner})
 
 
-def free_bytes() -> int:
-    import torch
-
-    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
-
-
 def greedy(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
     from dapo.rollout import SamplingSettings
 
@@ -169,6 +163,7 @@ def engine_part(check: Check) -> dict:
     from benchmarks.rollout import make_prompts
     from dapo.policy_matrix import QWEN2_5_1_5B_SHAPES, PolicyLayout, build_policy
     from dapo.rollout import SamplingSettings, make_rollout_engine
+    from dapo.rollout.vllm_engine import free_accelerator_bytes
 
     layout = QWEN2_5_1_5B_SHAPES if check.on_gpu else PolicyLayout(tied=True, hidden_size=256, head_dim=128, num_key_value_heads=1)
     started = time.perf_counter()
@@ -178,11 +173,11 @@ def engine_part(check: Check) -> dict:
     prompts, n, max_tokens = (64, 8, 128) if check.on_gpu else (4, 2, 16)
     check.prompts = make_prompts(check.policy_dir, prompts, seed=0)
     options = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True} if check.on_gpu else {}
-    before = free_bytes()
+    before = free_accelerator_bytes()
     started = time.perf_counter()
     check.engine = make_rollout_engine("vllm", check.policy_dir, dtype=check.dtype, max_model_len=512, seed=0, **options)
     result["start_seconds"] = time.perf_counter() - started
-    result["reserved_bytes"] = before - free_bytes()
+    result["reserved_bytes"] = before - free_accelerator_bytes()
     result.update(runner_and_backend(check.engine))
     settings = SamplingSettings(n=n, max_tokens=max_tokens, temperature=1.0, seed=1)
     check.engine.generate(check.prompts, settings)  # the first batch compiles
@@ -247,6 +242,7 @@ def sync_part(check: Check) -> dict | str:
 
 def sleep_part(check: Check) -> dict | str:
     from dapo.rollout.base import iter_safetensors
+    from dapo.rollout.vllm_engine import free_accelerator_bytes
 
     if not check.on_gpu:
         return "vLLM's sleep mode is a CUDA feature"
@@ -255,17 +251,17 @@ def sleep_part(check: Check) -> dict | str:
     engine, prompts = check.engine, check.prompts[:8]
     control = greedy(engine, prompts, 64)
     reserved = check.report["parts"]["engine"]["reserved_bytes"]
-    before = free_bytes()
+    before = free_accelerator_bytes()
     engine.release_memory()
-    result = {"freed_bytes": free_bytes() - before, "reserved_bytes": reserved}
+    result = {"freed_bytes": free_accelerator_bytes() - before, "reserved_bytes": reserved}
     result["freed_fraction"] = result["freed_bytes"] / max(1, reserved)
     started = time.perf_counter()
     engine.load_weights_from_tensors(iter_safetensors(check.policy_dir))
     result["wake_and_sync_seconds"] = time.perf_counter() - started
     result["outputs_equal_after_sleep"] = greedy(engine, prompts, 64) == control
-    before = free_bytes()
+    before = free_accelerator_bytes()
     check.close_engine()
-    result["returned_on_close_bytes"] = free_bytes() - before
+    result["returned_on_close_bytes"] = free_accelerator_bytes() - before
     result["returned_fraction"] = result["returned_on_close_bytes"] / max(1, reserved)
     check.report["pass"]["sleep_freed_fraction"] = result["freed_fraction"] >= PASS["sleep_freed_fraction"]
     check.report["pass"]["outputs_equal_after_sleep"] = result["outputs_equal_after_sleep"]

@@ -235,6 +235,14 @@ def split_file(path: Path, part_bytes: int) -> list[Path]:
     return parts
 
 
+def reassembled_vllm(kit: Path, manifest: dict, out: Path) -> Path:
+    """The vLLM tarball at out, from the kit's parts, checked against the manifest's sha256."""
+    tarball = join_parts([kit_file(kit, p["file"]) for p in manifest["vllm"]["parts"]], out)
+    if sha256(tarball) != manifest["vllm"]["tar_sha256"]:
+        raise SystemExit("the vLLM parts do not reassemble to the tarball the manifest names: a part is missing or broken")
+    return tarball
+
+
 def join_parts(parts: list[Path], out: Path) -> Path:
     with open(out, "wb") as sink:
         for part in parts:
@@ -450,10 +458,7 @@ def verify(kit: Path, dry_run_json: Path | None = None) -> dict:
         if sha256(part) != expected["sha256"] or part.stat().st_size > PART_BYTES:
             raise SystemExit(f"{part}: not the part the manifest describes")
     with tempfile.TemporaryDirectory() as scratch:
-        tarball = join_parts(parts, Path(scratch) / "vllm.tar.xz")
-        if sha256(tarball) != manifest["vllm"]["tar_sha256"]:
-            raise SystemExit("the parts do not reassemble to the tarball")
-        with tarfile.open(tarball) as archive:
+        with tarfile.open(reassembled_vllm(kit, manifest, Path(scratch) / "vllm.tar.xz")) as archive:
             names = archive.getnames()
     if "./vllm/__init__.py" not in names or any(n[2:].startswith(tuple(manifest["vllm"]["dropped"])) for n in names):
         raise SystemExit("the tarball lacks vllm/__init__.py or holds a dropped kernel")
@@ -505,9 +510,7 @@ def install(kit: Path, target: Path) -> None:
 
     manifest = json.loads(kit_file(kit, "manifest.json").read_text())
     target.mkdir(parents=True, exist_ok=True)
-    tarball = join_parts([kit_file(kit, p["file"]) for p in manifest["vllm"]["parts"]], target / "vllm.tar.xz")
-    if sha256(tarball) != manifest["vllm"]["tar_sha256"]:
-        raise SystemExit("the vLLM parts do not reassemble to the tarball the manifest names: a part is missing or broken")
+    tarball = reassembled_vllm(kit, manifest, target / "vllm.tar.xz")
     with tarfile.open(tarball) as archive:  # python's lzma: no xz needed there
         archive.extractall(target, filter="data")
     tarball.unlink()
