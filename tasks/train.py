@@ -132,7 +132,8 @@ def policy_step_for(config: DAPOConfig) -> PythonTask:
 
 
 ColocatedOutput = typing.NamedTuple(
-    "ColocatedOutput", [("policy", Checkpoint), ("metrics", list[dict[str, float]]), ("outbox", str)]
+    "ColocatedOutput", [("policy", Checkpoint), ("metrics", list[dict[str, float]]), ("outbox", str),
+                        ("next_batch", typing.Optional[pa.Table]), ("next_batch_state", str)]
 )
 
 
@@ -199,7 +200,7 @@ def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict
 @task_entry
 def colocated_chunk(
     config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
-    checkpoint_every: int,
+    checkpoint_every: int, first_batch: typing.Optional[pa.Table], first_batch_state: str,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
     (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
@@ -207,6 +208,11 @@ def colocated_chunk(
     does not take goes to the returned outbox); its record lets a killed chunk go on after
     its last checkpointed step (one every checkpoint_every steps: the run's
     colocated_checkpoint_every, an input of its own as the step config leaves it out).
+
+    One step off policy (off_policy_steps=1) a trainer process and a rollout process run the
+    steps side by side (dapo.overlap): first_batch (and its sampling state) is the chunk's
+    first batch, sampled by the chunk before, and next_batch the one after the chunk. On
+    policy they are None.
 
     Under torch elastic every rank runs this: the inputs are downloaded once per node,
     rank 0 reports the steps, and flytekit returns rank 0's outputs."""
@@ -219,21 +225,28 @@ def colocated_chunk(
     records = records_dir(config, policy, first_step)
     if launcher_rank() == 0:
         prune_earlier_chunks(records, first_step)
-    result = run_colocated(
-        config, policy.path, data.path, first_step, last_step - first_step, records, checkpoint_every=checkpoint_every,
-        on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
-    )
+    chunk = dict(checkpoint_every=checkpoint_every, on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics))
+    if config.off_policy_steps:
+        from dapo.overlap import SampledBatch, run_overlapped
+
+        first = None if first_batch is None else SampledBatch(first_batch, SamplingState.from_json(first_batch_state), first_step - 1)
+        result = run_overlapped(config, policy.path, data.path, first_step, last_step - first_step, records, first_batch=first, **chunk)
+    else:
+        result = run_colocated(config, policy.path, data.path, first_step, last_step - first_step, records, **chunk)
     rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]
     Deck("This chunk", report.html_table(rows))
-    return ColocatedOutput(chunk_output(result.checkpoint_dir), result.step_metrics, delivery.outbox)
+    following = result.next_batch
+    return ColocatedOutput(chunk_output(result.checkpoint_dir), result.step_metrics, delivery.outbox,
+                           None if following is None else following.batch, "" if following is None else following.state.to_json())
 
 
 def colocated_chunk_elastic(
     config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
-    checkpoint_every: int,
+    checkpoint_every: int, first_batch: typing.Optional[pa.Table], first_batch_state: str,
 ) -> ColocatedOutput:
     """colocated_chunk's body, as the function of its Elastic tasks (elastic_task)."""
-    return colocated_chunk.task_function(config, target_json, policy, data, first_step, last_step, checkpoint_every)
+    return colocated_chunk.task_function(config, target_json, policy, data, first_step, last_step, checkpoint_every, first_batch,
+                                         first_batch_state)
 
 
 ELASTIC_TASKS = {"policy_step": (policy_step_elastic, trainer_pod), "colocated_chunk": (colocated_chunk_elastic, chunk_pod)}

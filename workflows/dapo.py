@@ -7,7 +7,8 @@
                             conditional sample_rounds (taken only while the batch is
                             short; once it is full, keep_round echoes it through without
                             a pod), policy_step, log_step, and every val_every steps
-                            evaluate + register_model
+                            evaluate + register_model; one step off policy, step t+1's
+                            rounds read step t's input checkpoint (they run beside it)
     sample_round          = rollout and verify_rewards as map tasks (ArrayNodes) over
                             rollout_shards shards, then filter_groups over all shards
 
@@ -39,6 +40,7 @@ import pyarrow as pa
 from flytekit import Resources, conditional, dynamic, map_task, workflow
 from flytekit.core.workflow import PythonFunctionWorkflow
 from flytekit.types.directory import FlyteDirectory
+from flytekit.types.structured import StructuredDataset
 
 from dapo.config import DAPOConfig, ModelConfig, StepConfig
 from dapo.schedule import chunk_ranges, is_validation_step
@@ -100,57 +102,76 @@ def evaluate_and_register(
                           samples=samples, model_name=model_name).with_overrides(**registry_settings(config))
 
 
+def sample_step(config: DAPOConfig, step_config: StepConfig, policy, data, step: int):
+    """A step's generation rounds on `policy`: a sample_round, then up to max_num_gen_batches-1
+    conditional ones (taken only while the batch is short; once it is full, keep_round echoes
+    it through without a pod). Returns the batch and its sampling state."""
+    shards = list(range(config.rollout_shards))
+    sample_round = sample_round_workflow(config)
+    batch, sampling_state, done = sample_round(
+        step_config=step_config, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
+    )
+    for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
+        batch, sampling_state, done = (
+            conditional(f"step_{step}_round_{round_index}")
+            .if_(done.is_false())
+            .then(sample_round(step_config=step_config, policy=policy, data=data, step=step, round_index=round_index,
+                               shards=shards, kept=batch, sampling_state=sampling_state))
+            .else_()
+            .then(keep_round(batch=batch, sampling_state=sampling_state, done=done))
+        )
+    return batch, sampling_state
+
+
 @dynamic(**DYNAMIC_POD)
 def train_chunk(
     config: DAPOConfig, step_config: StepConfig, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
-    first_step: int, last_step: int, model_name: str,
-) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str)]):
+    first_step: int, last_step: int, model_name: str, next_batch: typing.Optional[StructuredDataset] = None,
+    next_batch_state: str = "",
+) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str),
+                                       ("next_batch", typing.Optional[StructuredDataset]), ("next_batch_state", str)]):
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
     config's trainer shape (tasks.train.policy_step_for). The pods are shaped from the
     whole config; the tasks get the step config (their cache key). With
-    execution="colocated" the steps run in one colocated_chunk task instead."""
+    execution="colocated" the steps run in one colocated_chunk task instead.
+
+    One step off policy (off_policy_steps=1) the rollout of step t+1 reads checkpoint t,
+    the input of step t's policy step, so Flyte runs them side by side; next_batch (with
+    its sampling state) is the chunk's first batch, sampled by the chunk before, and the
+    output next_batch the one after the chunk (a StructuredDataset: the dynamic workflow
+    passes it on without reading it). On policy they are None."""
     if config.execution == "colocated":
-        return colocated_steps(config, step_config, target_json, data, policy, loop_state, first_step, last_step, model_name)
-    shards = list(range(config.rollout_shards))
+        return colocated_steps(config, step_config, target_json, data, policy, loop_state, first_step, last_step, model_name,
+                               next_batch, next_batch_state)
     policy_step = policy_step_for(config)
-    sample_round = sample_round_workflow(config)
+    upcoming = (next_batch, next_batch_state) if next_batch is not None else None
     for step in range(first_step, last_step):
-        batch, sampling_state, done = sample_round(
-            step_config=step_config, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
-        )
-        for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
-            batch, sampling_state, done = (
-                conditional(f"step_{step}_round_{round_index}")
-                .if_(done.is_false())
-                .then(sample_round(step_config=step_config, policy=policy, data=data, step=step, round_index=round_index,
-                                   shards=shards, kept=batch, sampling_state=sampling_state))
-                .else_()
-                .then(keep_round(batch=batch, sampling_state=sampling_state, done=done))
-            )
+        batch, sampling_state = upcoming or sample_step(config, step_config, policy, data, step)
+        upcoming = sample_step(config, step_config, policy, data, step + 1) if config.off_policy_steps else None
         policy, metrics = policy_step(config=step_config, policy=policy, batch=batch, sampling_state=sampling_state,
                                       step=step).with_overrides(**trainer_settings(config))
         loop_state = log_step(config=step_config, target_json=target_json, loop_state=loop_state, step=step + 1,
                               step_metrics=metrics).with_overrides(**cpu_settings(config))
         if is_validation_step(step + 1, config.val_every, config.total_steps):
             loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, step + 1, model_name)
-    return policy, loop_state
+    return (policy, loop_state) + (upcoming or (None, ""))
 
 
 def colocated_steps(config: DAPOConfig, step_config: StepConfig, target_json: str, data, policy, loop_state, first_step: int,
-                    last_step: int, model_name: str):
+                    last_step: int, model_name: str, first_batch, first_batch_state: str):
     """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
     tasks.train.colocated_chunk_for), then log_chunk; validated on the chunk's last
     checkpoint when that is a validation step (chunk_ranges ends a colocated chunk at each)."""
     chunk = colocated_chunk_for(config)
-    policy, metrics, outbox = chunk(config=step_config, target_json=target_json, policy=policy, data=data, first_step=first_step,
-                                    last_step=last_step, checkpoint_every=config.colocated_checkpoint_every).with_overrides(
-        **colocated_settings(config)
-    )
+    policy, metrics, outbox, next_batch, next_batch_state = chunk(
+        config=step_config, target_json=target_json, policy=policy, data=data, first_step=first_step, last_step=last_step,
+        checkpoint_every=config.colocated_checkpoint_every, first_batch=first_batch, first_batch_state=first_batch_state,
+    ).with_overrides(**colocated_settings(config))
     loop_state = log_chunk(config=step_config, target_json=target_json, loop_state=loop_state, first_step=first_step,
                            step_metrics=metrics, outbox=outbox).with_overrides(**cpu_settings(config))
     if is_validation_step(last_step, config.val_every, config.total_steps):
         loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, last_step, model_name)
-    return policy, loop_state
+    return policy, loop_state, next_batch, next_batch_state
 
 
 @dynamic(**DYNAMIC_POD)
@@ -164,10 +185,11 @@ def train(
     (resolve_config), the sections their outputs depend on."""
     policy = bootstrap_policy(config=model_config, embedded_task=config.embedded_task).with_overrides(**bootstrap_settings(config))
     loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
+    next_batch, next_batch_state = None, ""
     for first, last in chunk_ranges(config):
-        policy, loop_state = train_chunk(
+        policy, loop_state, next_batch, next_batch_state = train_chunk(
             config=config, step_config=step_config, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
-            first_step=first, last_step=last, model_name=model_name,
+            first_step=first, last_step=last, model_name=model_name, next_batch=next_batch, next_batch_state=next_batch_state,
         )
     return policy, loop_state
 

@@ -43,6 +43,8 @@ def policy_step(
         return metrics
 
     metrics = step_metrics(config, batch, state)
+    if config.off_policy_steps:  # the schedule of dapo_loop's DAG: step t samples from checkpoint t - 1 (step 0 from 0)
+        metrics["off_policy/staleness"] = float(min(step, config.off_policy_steps))
     if skips_update(config, batch, state, step):
         crash_point("policy_step", step)  # the kill tests reach this task on either path
         return skip()
