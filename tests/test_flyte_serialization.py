@@ -1,6 +1,7 @@
 """What `pyflyte run --remote` would register, inspected without a cluster."""
 
 import datetime
+import inspect
 from collections import OrderedDict
 
 import pytest
@@ -99,6 +100,9 @@ def compile_dynamic(dynamic, tmp_path, **inputs):
     checkpoint_dir.mkdir(parents=True)
     (checkpoint_dir / "config.json").write_text("{}")
     directories = {k: FlyteDirectory(str(checkpoint_dir)) for k in ("data", "policy") if k in dynamic.python_interface.inputs}
+    # A pod gets every input, a default one as its value (compiled without it, it would be a promise).
+    defaults = {k: v.default for k, v in inspect.signature(dynamic.task_function).parameters.items() if v.default is not v.empty}
+    inputs = {**defaults, **inputs}
     ctx = FlyteContextManager.current_context()
     state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
     dynamic._wf = None  # flytekit keeps a dynamic's first compilation in its process (a pod compiles once)
@@ -171,6 +175,30 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk"))
     assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu"
     assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
+
+
+def bound_policy(node) -> tuple[str, str]:
+    """Where a node's policy input comes from: (node id, output name), or ("", "input") for the chunk's input (a value)."""
+    binding = next(b.binding for b in node.inputs if b.var == "policy")
+    return (binding.promise.node_id, binding.promise.var) if binding.promise else ("", "input")
+
+
+def test_one_step_off_the_rollout_of_step_t_plus_1_reads_the_checkpoint_step_t_trains(tmp_path):
+    """off_policy_steps=1 per_stage: step 1's first round binds the chunk's input checkpoint,
+    as step 0's policy step does (Flyte runs them side by side), and the round of step 2
+    (the batch after the chunk, its output) binds step 0's output checkpoint."""
+    config = DAPOConfig.paper_32b().replace(execution="per_stage", off_policy_steps=1, rollout_correction="token_tis")
+    spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
+                           target_json="{}", loop_state="", first_step=0, last_step=2, model_name="m")
+    first_rounds = {int(next(b.binding.scalar.primitive.integer for b in n.inputs if b.var == "step")): n
+                    for n in spec.nodes if n.workflow_node is not None and any(b.var == "round_index" and
+                                                                                b.binding.scalar.primitive.integer == 0
+                                                                                for b in n.inputs)}
+    steps = [n for n in spec.nodes if n.task_node is not None and "policy_step" in n.task_node.reference_id.name]
+    assert sorted(first_rounds) == [0, 1, 2] and len(steps) == 2
+    assert bound_policy(first_rounds[0]) == bound_policy(first_rounds[1]) == bound_policy(steps[0]) == ("", "input")
+    assert bound_policy(first_rounds[2]) == bound_policy(steps[1]) == (steps[0].id, "policy")
+    assert [o.var for o in spec.outputs] == ["policy", "loop_state", "next_batch", "next_batch_state"]
 
 
 def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_path):
