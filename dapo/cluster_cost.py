@@ -218,3 +218,45 @@ def chunk_for_share(model: Model, scenario: Scenario, target: float = 0.05, limi
 
 
 LOW, HIGH = scenarios()
+
+
+# One step off policy (dapo.overlap): the rollout of step t+1 beside the update of step t, on
+# GPUs split into the two roles. Decoding is bound by memory bandwidth and by the longest
+# responses, not by the GPU count: a rollout on part of the GPUs is taken to last as long as on
+# all of them (verl's one-step-off 7B figure, 749 -> 520 s/step on 16 GPUs = 1.44x, is this
+# bound: docs/advance/one_step_off.md), while the update's time grows as its GPUs shrink.
+# NCCL between nodes, for the weights broadcast after each update (InfiniBand NDR, 400 Gb/s a GPU).
+INTER_NODE_BYTES_S = 50e9
+
+
+@dataclass(frozen=True)
+class OverlapCost:
+    """A step synchronous (colocated: rollout and update take turns on all GPUs) against one
+    step off policy (the GPUs split, rollout and update at once)."""
+
+    sync_step_s: float
+    off_step_s: float
+    trainer_gpus: int
+    rollout_gpus: int
+    broadcast_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.sync_step_s / self.off_step_s
+
+
+def one_step_off_cost(model: Model, scenario: Scenario, steps_per_chunk: int = 10, checkpoint_every: int = 10) -> OverlapCost:
+    """One step off against synchronous colocated, per step, chunk overheads included in both.
+    The split gives the trainer the fewest GPUs whose update is no longer than the rollout
+    (the rollout keeps whole vLLM engines); the step is then the rollout's time plus the
+    weights' broadcast, so its speed-up is at most 1 / (1 - UPDATE_SHARE) = 1.43x."""
+    sync = step_cost(model, "colocated", steps_per_chunk, scenario, checkpoint_every)
+    rollout, update = (1 - UPDATE_SHARE) * sync.compute_s, UPDATE_SHARE * sync.compute_s
+    splits = [g for g in range(1, model.gpus) if (model.gpus - g) % model.tensor_parallel == 0]
+    if not splits:
+        raise ValueError(f"{model.name}: {model.gpus} GPU(s) cannot hold a trainer and a vLLM engine of {model.tensor_parallel}")
+    trainer_gpus = next((g for g in splits if update * model.gpus / g <= rollout), splits[-1])
+    broadcast = model.weights_bytes / INTER_NODE_BYTES_S
+    chunk_overhead = sync.overhead_s - sync_s(model, scenario)  # restarts and records: the same in both modes
+    off = max(rollout, update * model.gpus / trainer_gpus) + broadcast + chunk_overhead
+    return OverlapCost(sync.compute_s + sync.overhead_s, off, trainer_gpus, model.gpus - trainer_gpus, broadcast)

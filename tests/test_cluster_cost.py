@@ -91,3 +91,17 @@ def test_the_run_budgets_measured_figures_are_the_ones_in_results():
     measured = cc.handoff_figures(cc.RESULTS.read_text())
     assert cluster_cost.MEASURED_HANDOFF == {key: measured[key] for key in cluster_cost.MEASURED_HANDOFF}
     assert (cluster_cost.LOW, cluster_cost.HIGH) == (LOW, HIGH)
+
+
+@pytest.mark.parametrize("model", cc.MODELS, ids=lambda m: m.name)
+def test_one_step_off_is_bounded_by_the_rollouts_share_and_its_split_keeps_the_update_within_the_rollout(model):
+    """The speed-up lies in (1, 1 / rollout share]; the trainer's GPUs are the fewest whose update is
+    no longer than the rollout, and the rollout keeps whole vLLM engines."""
+    for scenario in (LOW, HIGH):
+        cost = cc.one_step_off_cost(model, scenario)
+        assert 1.0 < cost.speedup <= 1 / (1 - cc.UPDATE_SHARE)
+        assert cost.trainer_gpus + cost.rollout_gpus == model.gpus and cost.rollout_gpus % model.tensor_parallel == 0
+        compute = cc.compute_s(model)
+        assert cc.UPDATE_SHARE * compute * model.gpus / cost.trainer_gpus <= (1 - cc.UPDATE_SHARE) * compute
+        fewer = cost.trainer_gpus - model.tensor_parallel
+        assert fewer < 1 or cc.UPDATE_SHARE * compute * model.gpus / fewer > (1 - cc.UPDATE_SHARE) * compute
