@@ -618,7 +618,14 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             f"must name a directory all {self.trainer_nnodes} training nodes mount (trainer_nnodes > 1)",
         )
         need(0 < self.colocated_rollout_gpu_memory < 1, "colocated_rollout_gpu_memory", "must lie in (0, 1)")
-        if self.execution == "colocated":
+        if self.execution == "colocated" and self.off_policy_steps:
+            need(
+                self.trainer_nnodes == 1,
+                "off_policy_steps",
+                f"must be 0 with trainer_nnodes={self.trainer_nnodes} in colocated execution: one step off runs the "
+                "trainer's ranks and one rollout engine on one node (per_stage overlaps at any shape)",
+            )
+        elif self.execution == "colocated":
             need(
                 self.trainer_nproc_per_node % self.tensor_parallel_size == 0,
                 "tensor_parallel_size",
@@ -636,13 +643,6 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
                 self.tensor_parallel_size == 1 or self.rollout_backend == "vllm",
                 "rollout_backend",
                 "must be 'vllm' with tensor_parallel_size > 1",
-            )
-            need(
-                not self.off_policy_steps or self.trainer_world_size == 1,
-                "off_policy_steps",
-                f"must be 0 with {self.trainer_world_size} trainer ranks in colocated execution: one step off runs one "
-                "trainer process and one rollout process (splitting several ranks into the two roles is not built yet; "
-                "per_stage overlaps at any shape)",
             )
         if self.model_size_billions and (self.stage_timeout_minutes or self.chunk_timeout_minutes):
             from dapo.run_budget import check_run_budget  # it prices this config with the cost model, which reads configs

@@ -8,9 +8,10 @@ broadcast instead of their sum. The update corrects for the lag with the config'
 rollout_correction (dapo.rollout_correction): pi_old is the trainer's weights at the step,
 pi_rollout the lagging weights that sampled.
 
-The trainer's process runs the colocated steps' update, records and checkpoints
-(dapo.colocated); the rollout process (python -m dapo.overlap, started by it) holds the
-engine. They share out_root:
+The trainer's ranks (one process, or trainer_nproc_per_node on one node under torch elastic)
+run the colocated steps' update, records and checkpoints (dapo.colocated); the rollout
+process (python -m dapo.overlap, started by rank 0, on the GPUs after the ranks') holds one
+engine of tensor_parallel_size GPUs. They share out_root:
 - the rollout process writes each step's batch as out_root/batches/<step>.arrow (whole or
   not at all), with its sampling state and the policy version that sampled it;
 - after each update the trainer broadcasts its weights (one flat tensor per dtype: gloo on
@@ -38,13 +39,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.ipc
 
 from dapo.colocated import ColocatedResult, completed_steps, finish_step, stops_the_run, update_on_batch
-from dapo.config import DAPOConfig, StepConfig
+from dapo.config import StepConfig
 from dapo.sampling import SamplingState
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -151,38 +156,72 @@ def process_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class RolloutProcess:
-    """The rollout process of an overlapped chunk, seen from the trainer."""
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS")
+"""What torchrun sets for the trainer's ranks: the rollout process is none of them (vLLM would
+take them for its own data-parallel ranks)."""
 
-    def __init__(self, config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int):
-        """Starts `python -m dapo.overlap`, which samples batches first..last (those not on disk
-        yet), the first two from policy_dir's weights, each later one b from the weights the
-        trainer broadcasts after step b - 2. It dies with this process (PR_SET_PDEATHSIG)."""
+
+class RolloutProcess:
+    """The rollout process of an overlapped chunk, seen from the trainer's ranks: rank 0 starts
+    it and sends it the weights; every rank reads the batches it writes."""
+
+    def __init__(self, config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int, main: bool):
+        """On the main rank, starts `python -m dapo.overlap`, which samples batches first..last
+        (those not on disk yet), the first two from policy_dir's weights, each later one b
+        from the weights the trainer broadcasts after step b - 2, on the GPUs after the
+        trainer's ranks' (the chunk's pod asks for tensor_parallel_size more). It dies with
+        the main rank's process (PR_SET_PDEATHSIG)."""
+        self.out_root, self.process, self.weights = Path(out_root), None, None
+        if not main:
+            return
         import torch
         import torch.distributed as dist
 
-        self.out_root = Path(out_root)
         self.store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
         spec = {"config": config.to_json(), "policy_dir": policy_dir, "data_dir": data_dir, "out_root": str(out_root),
                 "first": first, "last": last, "port": self.store.port}
-        env = dict(os.environ)
-        if torch.cuda.device_count() > 1:  # the trainer keeps GPU 0, the engine gets the next tensor_parallel_size
-            visible = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[1:1 + config.tensor_parallel_size])
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+        trainer_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if torch.cuda.device_count() > trainer_gpus:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[trainer_gpus:trainer_gpus + config.tensor_parallel_size])
         self.process = subprocess.Popen([sys.executable, "-m", "dapo.overlap", json.dumps(spec)], env=env,
                                         preexec_fn=die_with_parent)
-        self.weights = WeightBroadcast(self.store, 0, process_device())
+        try:
+            while not self.store.check(["ready"]):  # its imports done; a process that dies first is reported, not waited for
+                self.raise_if_exited("starting")
+                time.sleep(POLL_SECONDS)
+            self.weights = WeightBroadcast(self.store, 0, process_device())
+        except BaseException:
+            self.stop()
+            raise
+
+    def raise_if_exited(self, doing: str) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"the rollout process exited ({describe_exit(self.process.returncode)}) {doing}; its log is above")
 
     def wait_for(self, step: int) -> SampledBatch:
-        """Step's batch, once the rollout process has written it."""
+        """Step's batch, once the rollout process has written it. Another rank than the main
+        one cannot see the process: if it dies, the main rank raises and the job ends."""
         while (sampled := read_batch(self.out_root, step)) is None:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the rollout process exited ({describe_exit(self.process.returncode)}) before writing "
-                                   f"step {step}'s batch; its log is above")
+            self.raise_if_exited(f"before writing step {step}'s batch")
             time.sleep(POLL_SECONDS)
         return sampled
 
+    def send_weights(self, named_weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """The trainer's weights to the rollout process: every rank reads them (under ZeRO-3 a
+        collective gather), the main rank sends them."""
+        if self.weights is None:
+            for _ in named_weights:
+                pass
+            return
+        self.weights.send(named_weights)
+
     def stop(self) -> None:
+        if self.process is None:
+            return
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -227,15 +266,18 @@ def run_overlapped(
     if done:
         policy_dir = result.checkpoint_dir
         logger.info("resuming after step %d from %s (%d of %d steps were done)", start - 1, policy_dir, done, n_steps)
-    elif first_batch is not None and read_batch(out_root, start) is None:
-        write_batch(out_root, start, first_batch)
-    # Later batches on disk came from weights that a killed run computed after its last checkpoint.
-    discard_batches(out_root, keep=lambda step: start <= step <= start + 1)
-    if start > 0 and read_batch(out_root, start) is None:
-        logger.warning("step %d: no batch sampled one step off for it; the rollout process samples it on policy", start)
-    trainer = make_trainer(config, policy_dir)
-    rollout = RolloutProcess(config, policy_dir, data_dir, out_root, start, end)
+    trainer = make_trainer(config, policy_dir)  # first: under a launcher it sets up the ranks' process group
+    if trainer.is_main:
+        if not done and first_batch is not None and read_batch(out_root, start) is None:
+            write_batch(out_root, start, first_batch)
+        # Later batches on disk came from weights that a killed run computed after its last checkpoint.
+        discard_batches(out_root, keep=lambda step: start <= step <= start + 1)
+        if start > 0 and read_batch(out_root, start) is None:
+            logger.warning("step %d: no batch sampled one step off for it; the rollout process samples it on policy", start)
+    trainer.barrier()  # no rank reads a batch the main rank is about to discard
+    rollout = None
     try:
+        rollout = RolloutProcess(config, policy_dir, data_dir, out_root, start, end, trainer.is_main)
         for step in range(start, end):
             waited = time.perf_counter()
             sampled = rollout.wait_for(step)
@@ -247,7 +289,7 @@ def run_overlapped(
             if step + 2 <= end:  # the weights batch step + 2 is sampled from, once the rollout is done with step + 1's
                 synced = time.perf_counter()
                 rollout.wait_for(step + 1)
-                rollout.weights.send(trainer.named_weights())
+                rollout.send_weights(trainer.named_weights())
                 metrics["sync/seconds"] = time.perf_counter() - synced
             else:
                 rollout.wait_for(step + 1)  # the next chunk's first batch, before the chunk's last checkpoint
@@ -258,7 +300,8 @@ def run_overlapped(
                 break
         result.next_batch = read_batch(out_root, first_step + len(result.step_metrics))
     finally:
-        rollout.stop()
+        if rollout is not None:
+            rollout.stop()
         trainer.close()
     return result
 
@@ -269,7 +312,7 @@ def sample_batches(config: StepConfig, policy_dir: str, data_dir: str, out_root:
     the weights the trainer broadcasts after step b - 2 (version b - 1)."""
     from dapo.stages.generation import policy_engine, sample_batch
 
-    engine = policy_engine(config, policy_dir, colocated=True)
+    engine = policy_engine(config, policy_dir)  # not colocated: the engine has its GPUs to itself
     version = first
     for step in range(first, last + 1):
         if step >= first + 2:
@@ -288,6 +331,7 @@ def rollout_main(spec_json: str) -> None:
     values = json.loads(spec["config"])
     config = StepConfig(**{f.name: values[f.name] for f in fields(StepConfig)})
     store = dist.TCPStore("127.0.0.1", spec["port"], 2, False, timeout=GROUP_TIMEOUT)
+    store.set("ready", "1")
     weights = WeightBroadcast(store, 1, process_device())
     sample_batches(config, spec["policy_dir"], spec["data_dir"], Path(spec["out_root"]), spec["first"], spec["last"], weights)
 

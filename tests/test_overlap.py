@@ -3,6 +3,8 @@ processes give, bit for bit, the steps of the same schedule run one stage after 
 in one process (step t's batch sampled from checkpoint t-1's weights), and a killed chunk
 resumes with nothing lost or replayed."""
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -10,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from dapo.config import ConfigError, DAPOConfig
 from dapo.overlap import read_batch, run_overlapped
@@ -60,14 +64,18 @@ def test_the_overlapped_chunk_runs_the_one_step_off_schedule_bit_for_bit(tmp_pat
     assert result.next_batch.batch.equals(next_batch)
 
 
-def test_off_policy_steps_needs_a_rollout_correction_and_one_trainer_rank_when_colocated():
+def test_off_policy_steps_needs_a_rollout_correction_and_one_node_when_colocated():
     with pytest.raises(ConfigError, match="rollout_correction"):
         DAPOConfig.tiny_cpu().replace(off_policy_steps=1)
     with pytest.raises(ConfigError, match="off_policy_steps"):
         DAPOConfig.tiny_cpu().replace(off_policy_steps=2, rollout_correction="token_tis")
-    with pytest.raises(ConfigError, match="not built yet"):
-        DAPOConfig.tiny_cpu().replace(off_policy_steps=1, rollout_correction="token_tis", execution="colocated",
-                                      trainer_nproc_per_node=2, rollout_shards=2)
+    off = {"off_policy_steps": 1, "rollout_correction": "token_tis", "execution": "colocated"}
+    with pytest.raises(ConfigError, match="trainer's ranks and one rollout engine on one node"):
+        DAPOConfig.paper_32b().replace(**off)
+    # 2 trainer ranks beside a TP-4 engine: on policy, each engine's ranks must be trainer ranks
+    with pytest.raises(ConfigError, match="must divide trainer_nproc_per_node=2"):
+        DAPOConfig.tiny_cpu().replace(trainer_nproc_per_node=2, tensor_parallel_size=4, execution="colocated")
+    DAPOConfig.tiny_cpu().replace(trainer_nproc_per_node=2, tensor_parallel_size=4, **off)
 
 
 KILLED_RUN = """
@@ -110,3 +118,41 @@ def test_a_killed_overlapped_chunk_resumes_with_nothing_lost_or_replayed(tmp_pat
     done = run_overlapped(config, policy_dir, data, 0, 4, out)  # done: nothing runs, the records are read back
     assert done.step_metrics == resumed.step_metrics and done.next_batch.batch.equals(whole.next_batch.batch)
     assert read_batch(out, 4).policy_version == 3
+
+
+RANKS_RUN = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from dapo.overlap import run_overlapped
+from dapo.config import DAPOConfig
+run_overlapped(DAPOConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], 0, 2, sys.argv[4])
+"""
+
+
+@pytest.mark.deepspeed
+def test_two_trainer_ranks_beside_the_rollout_process_take_the_steps_of_one(tmp_path_factory, tmp_path):
+    """Under torchrun, 2 DeepSpeed ranks (ZeRO-2, gloo) and the rollout process rank 0 starts:
+    2 steps (both on batches from the first weights) with one process's metrics and weights
+    within 1e-4, and the batch after them sampled from the weights the main rank broadcast."""
+    config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
+    config = one_step_off(config).replace(trainer_backend="deepspeed", zero_stage=2)
+    with one_torch_thread():
+        one = run_overlapped(config, policy_dir, data, 0, 2, tmp_path / "one")
+    out = tmp_path / "two"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_RUN)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+                          config.replace(trainer_nproc_per_node=2).to_json(), policy_dir, data, str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    records = [json.loads((out / "steps" / f"{step}.json").read_text()) for step in range(2)]
+    for step, (a, b) in enumerate(zip(one.step_metrics, records)):
+        assert (a["rollout/tokens"], a["train/acc"], a["off_policy/staleness"]) == (b["rollout/tokens"], b["train/acc"],
+                                                                                    b["off_policy/staleness"]), step
+        assert math.isclose(a["actor/pg_loss"], b["actor/pg_loss"], rel_tol=1e-4, abs_tol=1e-7), step
+    ours, theirs = load_file(f"{one.checkpoint_dir}/model.safetensors"), load_file(out / "policy-2" / "model.safetensors")
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert read_batch(out, 2).policy_version == 1
