@@ -504,3 +504,49 @@ def test_a_pod_that_outgrows_its_ephemeral_storage_is_evicted(sim, cluster, tmp_
         propeller.run_task_node("too-big", template, inputs, tmp_path / "too-big", compiled_node=node)
     (pod,) = propeller.pods
     assert pod.ended_by == "evicted" and pod.disk_limit == 64 * 1024 < pod.disk_peak
+
+
+
+def step_of(pod: podsim.Pod) -> str:
+    step = podsim._read(literals_pb2.LiteralMap, pod.prefix / "inputs.pb").literals.get("step")
+    return str(step.scalar.primitive.integer) if step is not None else "-"
+
+
+def test_one_step_off_the_rollout_of_step_t_plus_1_runs_beside_the_policy_step_of_step_t(sim, tmp_path):
+    """train_chunk for off_policy_steps=1 over step 1, given the batch sampled before it (sim's
+    step-0 batch, as the chunk before would hand it on): its policy step and the rollout of
+    step 2 (the batch it hands on) read the same checkpoint, and their pods run at once."""
+    import dataclasses
+
+    from dapo.tracking import RunTarget
+
+    chunks = [(node, t) for node, t in emitted(sim) if podsim.task_name(t) == "train_chunk"]
+    assert chunks, "train_chunk was never emitted: " + failure(sim)
+    propeller, root = sim["propeller"], sim["root"]
+    config = sim["config"].replace(off_policy_steps=1, rollout_correction="token_tis", total_steps=4, val_every=0,
+                                   max_num_gen_batches=1)  # one round: the overlap shows in it
+    chunk_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "train_chunk")[0].prefix / "inputs.pb")
+    step_inputs = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "policy_step")[0].prefix / "inputs.pb")
+    chunk_inputs.literals["config"].CopyFrom(config_literal(config))
+    chunk_inputs.literals["step_config"].CopyFrom(config_literal(config.step_config()))
+    chunk_inputs.literals["first_step"].scalar.primitive.integer = 1
+    chunk_inputs.literals["last_step"].scalar.primitive.integer = 2
+    chunk_inputs.literals["next_batch"].CopyFrom(step_inputs.literals["batch"])
+    chunk_inputs.literals["next_batch_state"].CopyFrom(step_inputs.literals["sampling_state"])
+    target = RunTarget(f"sqlite:///{tmp_path / 'mlflow.db'}", "podsim-one-step-off", "run", "run")  # not sim's run
+    chunk_inputs.literals["target_json"].scalar.primitive.string_value = json.dumps(dataclasses.asdict(target))
+    started = len(propeller.pods)
+    outputs = propeller.run_task_node("one-step-off-chunk", chunks[0][1], chunk_inputs, root / "store" / "one-step-off-chunk")
+    pods = propeller.pods[started:]
+    origin = min(p.started for p in pods)
+    timeline = "\n".join(f"{podsim.task_name(p.template):>15} step {step_of(p)}: {p.started - origin:5.1f}-{p.ended - origin:5.1f} s"
+                         for p in sorted(pods, key=lambda p: p.started))
+    print(f"\none step off, train_chunk over step 1, pod timeline:\n{timeline}")
+    (policy_step,) = [p for p in pods if podsim.task_name(p.template) == "policy_step"]
+    rollouts = [p for p in pods if podsim.task_name(p.template) == "rollout"]
+    assert step_of(policy_step) == "1" and rollouts and {step_of(p) for p in rollouts} == {"2"}, timeline
+    assert rollouts[0].started < policy_step.ended and policy_step.started < rollouts[0].ended, timeline
+    assert outputs.literals["next_batch"].scalar.structured_dataset.uri, "the chunk hands on no batch"
+    metrics = from_literal(podsim._read(literals_pb2.LiteralMap, policy_step.prefix / "outputs.pb").literals["metrics"],
+                           dict[str, float])
+    assert metrics["off_policy/staleness"] == 1.0 and "rollout_corr/weight_mean" in metrics
