@@ -13,6 +13,9 @@ Runs, each in its own process (so peak memory is its own), caching off:
   DAPO: dynamic sampling draws up to 3 rounds of 32 prompts to fill 16 informative groups.
 - ``ours-colocated``: ``ours`` with ``execution="colocated"``: each chunk of 10 steps in
   one task, trainer and vLLM resident, the new weights synced into vLLM in memory.
+- ``ours-overlapped``: ``ours-colocated`` one step off policy (``off_policy_steps=1``,
+  ``token_tis`` correction): each chunk a trainer process and a rollout process, step t+1's
+  rollout beside step t's update (dapo.overlap), OMP_NUM_THREADS=1 (a core each).
 - ``ours-nods``: the same without dynamic sampling: 16 prompts x 8 generated per step,
   the work TRL does per step.
 - ``trl``: ``GRPOTrainer`` configured as close to DAPO as TRL allows: ``loss_type="dapo"``
@@ -31,7 +34,7 @@ seconds to the first validation at or above TRL's final accuracy (mean over seed
 compared: the issue's "wall time to the same validation accuracy".
 
     make bench-trl                                   # installs the bench extra, then runs
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-colocated,ours-nods,trl]
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py [--steps 30] [--seeds 0,1,2] [--runs ours,ours-colocated,ours-overlapped,ours-nods,trl]
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import chosen, peak_rss_mib, prepare_start, print_result, run_dapo_loop, run_worker
-RUNS = ("ours", "ours-colocated", "ours-nods", "trl")
+from benchmarks.common import child_env, chosen, peak_rss_mib, prepare_start, print_result, run_dapo_loop, run_worker
+RUNS = ("ours", "ours-colocated", "ours-overlapped", "ours-nods", "trl")
 CURVE_EVERY = 10
 """Steps between the validations of the accuracy curve: dapo_loop's chunk length, since a
 colocated chunk validates its last checkpoint only."""
@@ -62,8 +65,10 @@ def base_config(steps: int, seed: int = 0):
 # --- ours -------------------------------------------------------------------------
 def run_ours(work: Path, steps: int, seed: int, name: str) -> dict:
     """dapo_loop, local flytekit execution, caching off; validation time is excluded."""
-    execution = "colocated" if name == "ours-colocated" else "per_stage"
+    execution = "colocated" if name in ("ours-colocated", "ours-overlapped") else "per_stage"
     overrides = {"val_every": CURVE_EVERY, "dynamic_sampling": name != "ours-nods", "seed": seed, "execution": execution}
+    if name == "ours-overlapped":
+        overrides.update(off_policy_steps=1, rollout_correction="token_tis")
     started = time.perf_counter()
     curve: list[dict] = []
     model_dir, history, eval_seconds = run_dapo_loop(work, steps, overrides, f"vs-trl-{name}", curve=curve)
@@ -215,7 +220,8 @@ def launch(name: str, work: Path, steps: int, seed: int) -> dict:
     command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--steps", str(steps), "--seeds", str(seed)]
     print(f"running {name}, seed {seed} ({steps} steps) ...", flush=True)
     started = time.perf_counter()
-    result = run_worker(command, name, log=work / f"{name}-seed{seed}.log")
+    one_core_each = {**child_env(), "OMP_NUM_THREADS": "1"} if name == "ours-overlapped" else None  # its two processes at once
+    result = run_worker(command, name, env=one_core_each, log=work / f"{name}-seed{seed}.log")
     result["seed"] = seed
     print(f"  {time.perf_counter() - started:.0f} s in all, {result['train_seconds'] / steps:.2f} s/step", flush=True)
     return result
