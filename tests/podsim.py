@@ -237,9 +237,6 @@ class Pod:
     """Its ephemeral-storage limit in bytes (0 = none)."""
     ended_by: str = ""
     """What the simulator ended it for: "timeout", "evicted", or a fault it injected ("" = none)."""
-    started: float = 0.0
-    ended: float = 0.0
-    """When it started and ended (time.monotonic)."""
 
     @property
     def failed(self) -> bool:
@@ -444,7 +441,7 @@ class Propeller:
 
     def _run_workers(self, node, template, prefix: Path, args: list[str], env: dict[str, str], workers: int, attempt: int,
                      deadline: float, disk_limit: int, fault: str) -> list[Pod]:
-        procs, started = [], time.monotonic()
+        procs = []
         for worker in range(workers):
             cwd = prefix / (f"root-{worker}" if workers > 1 else "root")  # the image's /root: empty but for the tarball
             (cwd / "tmp").mkdir(parents=True)  # its TMPDIR: flytekit's sandbox and our scratch space, on the pod's disk
@@ -474,8 +471,7 @@ class Propeller:
             code = process.wait()
             peak[index] = max(peak[index], disk_usage(cwd))
             log.seek(0)
-            pods.append(Pod(node, template, prefix, cwd, code, log.read(), attempt, peak[index], disk_limit, ended_by, started,
-                            time.monotonic()))
+            pods.append(Pod(node, template, prefix, cwd, code, log.read(), attempt, peak[index], disk_limit, ended_by))
             log.close()
         return pods
 
