@@ -37,10 +37,10 @@ import pyarrow.ipc
 from dapo import checkpoint
 from dapo.config import DAPOConfig
 from dapo.faults import crash_point
-from dapo.trainer.launch import prune_step_dirs
 from dapo.stages.generation import policy_engine, sample_batch
 from dapo.stages.guard import regenerate_batch
 from dapo.stages.training import is_bad_step, skips_update, step_metrics, train_on_batch
+from dapo.trainer.launch import prune_step_dirs
 
 if TYPE_CHECKING:
     from dapo.overlap import SampledBatch

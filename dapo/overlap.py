@@ -251,8 +251,9 @@ def run_overlapped(
 
     Per step, besides run_colocated's metrics: off_policy/staleness (updates between the
     weights that sampled the batch and those it trains), off_policy/wait_seconds (the
-    trainer waiting for its batch: the rollout is the slower side), sync/seconds (the
-    broadcast, which waits for the rollout process to finish the batch it is on)."""
+    trainer waiting for batches: the next step's after its update, and at the chunk's
+    start its own; above 0 where the rollout is the slower side), sync/seconds (the
+    weights' broadcast)."""
     from dapo.trainer import make_trainer
 
     out_root = Path(out_root)
@@ -278,27 +279,30 @@ def run_overlapped(
     rollout = None
     try:
         rollout = RolloutProcess(config, policy_dir, data_dir, out_root, start, end, trainer.is_main)
+        waited = time.perf_counter()
+        sampled = rollout.wait_for(start)
+        wait_seconds = time.perf_counter() - waited
         for step in range(start, end):
-            waited = time.perf_counter()
-            sampled = rollout.wait_for(step)
             started = time.perf_counter()
             metrics, _ = update_on_batch(config, trainer, sampled.batch, sampled.state, step, out_root)
             metrics["policy_step/seconds"] = time.perf_counter() - started
             metrics["off_policy/staleness"] = float(step - sampled.policy_version)
-            metrics["off_policy/wait_seconds"] = started - waited
-            if step + 2 <= end:  # the weights batch step + 2 is sampled from, once the rollout is done with step + 1's
+            # The next step's batch (after the chunk's last step, the next chunk's first) is on disk before
+            # checkpoint step + 1, and the rollout process is done with it before it takes the weights.
+            waited = time.perf_counter()
+            sampled = rollout.wait_for(step + 1)
+            metrics["off_policy/wait_seconds"] = wait_seconds + time.perf_counter() - waited
+            wait_seconds = 0.0
+            if step + 2 <= end:  # the weights batch step + 2 is sampled from
                 synced = time.perf_counter()
-                rollout.wait_for(step + 1)
                 rollout.send_weights(trainer.named_weights())
                 metrics["sync/seconds"] = time.perf_counter() - synced
-            else:
-                rollout.wait_for(step + 1)  # the next chunk's first batch, before the chunk's last checkpoint
             finished = finish_step(config, trainer, out_root, result, first_step, n_steps, step, metrics, checkpoint_every, on_step)
             if finished.checkpointed and trainer.is_main:  # a resume needs the batches from the checkpoint's step on
                 discard_batches(out_root, keep=lambda kept: kept > step)
             if finished.stop:
                 break
-        result.next_batch = read_batch(out_root, first_step + len(result.step_metrics))
+        result.next_batch = sampled
     finally:
         if rollout is not None:
             rollout.stop()
