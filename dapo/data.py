@@ -18,16 +18,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo.config import EMBEDDED_TASKS
+from dapo.config import DAPO_PROMPT_TEMPLATE, EMBEDDED_TASKS
 
 logger = logging.getLogger(__name__)
 
-DAPO_PROMPT_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    "{problem}\n\n"
-    'Remember to put your answer on its own line after "Answer:".'
-)
 REQUIRED_COLUMNS = ("prompt", "reward_model")
 EMBEDDED_SOURCE = "dapo-flyte/arithmetic"
 
@@ -277,6 +271,32 @@ def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[Prom
     return records, report
 
 
-def render_prompt(record: PromptRecord, tokenizer) -> str:
-    """The prompt text the policy sees: the tokenizer's chat template applied to the chat."""
-    return tokenizer.apply_chat_template(record.chat, tokenize=False, add_generation_prompt=True)
+def render_prompt(record: PromptRecord, tokenizer, system_prompt: str | None = None) -> str:
+    """The prompt text the policy sees: the tokenizer's chat template applied to the chat.
+
+    system_prompt (RolloutConfig.system_prompt), for a chat without a system turn: None keeps
+    what the template does (some add a default system turn), text becomes the system turn,
+    "" drops the template's default: the chat is rendered behind a placeholder system turn,
+    which is then cut off (DataError if the template does not render it as a prefix of its own).
+    """
+    chat = record.chat
+    if system_prompt is None or any(role == "system" for role, _ in record.messages):
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if system_prompt:
+        return tokenizer.apply_chat_template([{"role": "system", "content": system_prompt}, *chat], tokenize=False,
+                                             add_generation_prompt=True)
+    placeholder = [{"role": "system", "content": "dapo-system-placeholder"}]
+    system_turn = tokenizer.apply_chat_template(placeholder, tokenize=False)
+    text = tokenizer.apply_chat_template(placeholder + chat, tokenize=False, add_generation_prompt=True)
+    if not text.startswith(system_turn):
+        raise DataError("rollout.system_prompt='': this chat template does not render a system turn as a prefix of the "
+                        "chat, so its default cannot be cut off; set rollout.system_prompt to a text of your own")
+    return text[len(system_turn):]
+
+
+def system_prompt_tokens(tokenizer, system_prompt: str | None) -> int:
+    """Tokens the system turn adds to a prompt (the template's default with None, none with ""):
+    the rendered length of a one-turn chat minus that of the same chat without a system turn."""
+    record = PromptRecord(uid="0", messages=(("user", "q"),), ground_truth="")
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    return count(render_prompt(record, tokenizer, system_prompt)) - count(render_prompt(record, tokenizer, ""))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import multiprocessing.util
 import os
 import re
@@ -76,6 +77,7 @@ __all__ = [
     "SCORERS",
     "register_scorer",
     "dapo_math",
+    "reasoning_gym",
     "ScorerError",
     "TaskScore",
     "task_score",
@@ -698,6 +700,43 @@ def dapo_math(response: str, ground_truth: str, extra_info: dict) -> dict[str, f
     after normalize_answer or by math-verify (judge_answer)."""
     verdict = judge_answer(response, ground_truth)
     return {"score": 1.0 if verdict.correct else -1.0, "acc": float(verdict.correct), "unverified": float(verdict.unverified)}
+
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number_matches(text: str, ground_truth: str) -> float:
+    """1.0 if the response's last number (anywhere, in any layout) is the ground truth: whether
+    the model knew the answer, whatever the line it wrote it on (a format-blind probe, no reward)."""
+    numbers = _NUMBER_RE.findall(text[-ANSWER_SCAN_CHARS:]) if isinstance(text, str) else []
+    return float(bool(numbers) and normalize_answer(numbers[-1]) == normalize_answer(str(ground_truth)))
+
+
+@register_scorer("reasoning_gym")
+def reasoning_gym(response: str, ground_truth: str, extra_info: dict) -> dict[str, float]:
+    """reasoning-gym's own verdict: ŷ read by our "Answer:" line rule (extract_answer), scored
+    by the task's `score_answer(ŷ, entry)` on the entry regenerated from the row's extra_info
+    (dapo.gym_tasks). Correct iff that score is >= 1.0: many tasks give partial credit to an
+    answer that merely contains the truth ("the answer is 7" for 7), which must not reward
+    padding. R_task = +1 / -1 from it; the task's raw score (`rg_score`) and whether the last
+    number of the response is the answer (`last_number`) are logged beside it."""
+    from dapo.gym_tasks import entry_of
+
+    task = extra_info.get("rg_task", "?")
+    try:
+        data, entry = entry_of(extra_info)
+    except KeyError as error:
+        raise ScorerError(f"scorer 'reasoning_gym': the row has no {error} in extra_info (not made from a reasoning_gym: spec)") from error
+    answer = extract_answer(response)
+    try:
+        raw = data.score_answer(answer, entry)
+    except Exception as error:
+        raise ScorerError(f"reasoning-gym task {task!r}: score_answer raised {type(error).__name__}: {error}") from error
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real) or not math.isfinite(raw):
+        raise ScorerError(f"reasoning-gym task {task!r}: score_answer returned {raw!r}, not a finite number")
+    correct = answer is not None and raw >= 1.0
+    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "rg_score": float(raw),
+            "last_number": last_number_matches(response, ground_truth)}
 
 
 class ScorerError(RuntimeError):

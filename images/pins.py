@@ -78,14 +78,17 @@ DEEPSPEED = "deepspeed==0.19.8"
 # transformers' HfDeepSpeedConfig needs it: with it a ZeRO-3 trainer builds the model
 # partitioned (deepspeed.zero.Init) instead of whole on every rank (32B: 64 GB per rank).
 ACCELERATE = "accelerate==1.16.0"
+GGUF = "gguf==0.19.0"
+REASONING_GYM = "reasoning-gym==0.1.25"
 
 # Every image can import every task module's light dependencies: flytekit and
 # the PyTorch plugin (task modules import it), MLflow (tracking from any task),
 # math-verify + pebble + loky (rewards: math-verify runs in a pebble process pool whose
 # workers loky starts), pyarrow
-# (data), safetensors + transformers + tokenizers (checkpoints, tokenizer). Same pins
-# as pyproject.toml's dependencies.
-COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, LOKY, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS]
+# (data), safetensors + transformers + tokenizers (checkpoints, tokenizer), gguf (GGUF
+# models, converted by bootstrap_policy), reasoning-gym (its tasks' data and verifiers). Same
+# pins as pyproject.toml's dependencies.
+COMMON = [FLYTEKIT, KFPYTORCH, MLFLOW, MATH_VERIFY, PEBBLE, LOKY, PYARROW, SAFETENSORS, TRANSFORMERS, TOKENIZERS, GGUF, REASONING_GYM]
 
 PACKAGES: dict[str, list[str]] = {
     "rollout": COMMON + [TORCH_CUDA, VLLM],

@@ -12,6 +12,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig, StepConfig, flat_overrides, parse_assignments, read_config_file
 from dapo.data import DataError
+from dapo.model_source import is_gguf_source
 from dapo.plugins import check_named_functions, user_code_digest
 from dapo.stages import setup
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
@@ -40,7 +41,7 @@ def resolve(
     overrides = {**flat_overrides(overrides), **flat_overrides(from_json), **flat_overrides(parse_assignments(set))}
     explicit = {"total_steps": total_steps, "train_data_path": train_data, "val_data_path": val_data, "steps_per_chunk": steps_per_chunk}
     overrides.update({name: value for name, value in explicit.items() if value})
-    config = DAPOConfig.preset(preset, overrides)
+    config = setup.resolve_sources(DAPOConfig.preset(preset, overrides))
     check_named_functions(config)
     config = config.replace(user_code_digest=user_code_digest(config))
     if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
@@ -114,6 +115,7 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str) -> Checkpoint:
             bar.update(step - bar.n)
             bar.set_postfix(loss=f"{loss:.3f}")
 
-        model = dataclasses.replace(config, model_path=local_copy(config.model_path, directory=True))
+        directory = not is_gguf_source(config.model_path)  # a GGUF source is one file
+        model = dataclasses.replace(config, model_path=local_copy(config.model_path, directory=directory))
         setup.bootstrap_policy(model, embedded_task, out_dir, progress=progress)
     return directory_output(out_dir)

@@ -219,11 +219,11 @@ def dapo_loop(
     Returns the final checkpoint and the run's summary (accuracies, champion version,
     MLflow run id); the run ends FINISHED, or FAILED if the execution fails.
 
-    :param preset: tiny_cpu | one_gpu_1p5b | node_7b | paper_32b (python -m dapo config --presets)
+    :param preset: tiny_cpu | smollm2_cpu | one_gpu_1p5b | node_7b | paper_32b (python -m dapo config --presets)
     :param overrides_json: config fields as JSON, by section or flat: '{"algorithm": {"clip_high": 0.2}}'
     :param total_steps: 0 keeps the preset's
-    :param train_data: verl-format parquet path or URI (s3://..., gs://...)
-    :param val_data: verl-format parquet path or URI
+    :param train_data: verl-format parquet path or URI (s3://..., gs://...), or a reasoning-gym spec: reasoning_gym:chain_sum?min_terms=2&max_terms=2
+    :param val_data: verl-format parquet path or URI, or a reasoning_gym: spec ("" with one: another seed of train_data)
     :param mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI or ./mlflow.db
     :param mlflow_experiment: the MLflow experiment
     :param model_name: the MLflow registered model

