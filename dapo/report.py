@@ -63,10 +63,16 @@ def step_line(metrics: dict) -> str:
     unverified_count = metrics.get("train/unverified", 0.0) + metrics.get("val/unverified", 0.0)
     unverified = f" | unverified {unverified_count:.0f}" if unverified_count else ""
 
+    # The step's parts, where it has them (a validation line has none).
+    parts = (("rollout/seconds", "gen"), ("reward/seconds", "score"), ("policy_step/seconds", "update"))
+    timing = ", ".join(f"{name} {metrics[key]:.1f}" for key, name in parts if key in metrics)
+    timing = f" ({timing})" if timing else ""
+
     return (
         f"step {metrics.get('step', '?'):>4} | val_acc {get('val/acc', '.3f')} | train_acc {get('train/acc', '.3f')} "
         f"| reward {get('train/reward_mean', '+.3f')} | entropy {get('actor/entropy', '.3f')} "
         f"| kept {get('sampling/kept_ratio', '.2f')} in {get('sampling/rounds', '.0f')} round(s) "
-        f"| rollout+update {get('step/seconds', '.1f')} s"
+        f"| truncated {get('train/truncated_frac', '.2f')} "
+        f"| took {get('step/seconds', '.1f')} s{timing}"
         + unverified
     )

@@ -49,10 +49,12 @@ class SamplingState:
     """Stop generating: the batch is full or the round budget is spent."""
     rollout_tokens: float = 0.0
     rollout_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    """Scoring's wall time over the rounds (the slowest shard's of each round)."""
 
     def after_round(
         self, generated_groups: int, kept_groups: int, *, target_groups: int, max_rounds: int,
-        rollout_tokens: float = 0.0, rollout_seconds: float = 0.0,
+        rollout_tokens: float = 0.0, rollout_seconds: float = 0.0, reward_seconds: float = 0.0,
     ) -> "SamplingState":
         """The state after one more round that generated and kept the given numbers of groups.
 
@@ -68,6 +70,7 @@ class SamplingState:
             done=kept >= target_groups or (max_rounds > 0 and rounds >= max_rounds),
             rollout_tokens=self.rollout_tokens + rollout_tokens,
             rollout_seconds=self.rollout_seconds + rollout_seconds,
+            reward_seconds=self.reward_seconds + reward_seconds,
         )
 
     @property

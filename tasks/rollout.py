@@ -45,7 +45,7 @@ def rollout(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: 
 @task_entry
 def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Table:
     """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
-    return scoring.verify_rewards(config, responses, step)
+    return generation.timed_rewards(config, responses, step, generation.rollout_metrics_of(responses))
 
 
 @task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))

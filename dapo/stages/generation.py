@@ -78,7 +78,7 @@ def rollout(
     indices = list(range(start, end))
     engine = engine if engine is not None else policy_engine(config, policy_dir)
     tokenizer = engine.tokenizer
-    texts = [render_prompt(chosen[i], tokenizer) for i in indices]
+    texts = [render_prompt(chosen[i], tokenizer, config.system_prompt) for i in indices]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     keep = [k for k, n in enumerate(lengths) if n <= config.max_prompt_length]
     if len(keep) < len(indices):
@@ -115,9 +115,18 @@ def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
     summed, seconds the slowest shard's (shards run in parallel on a cluster)."""
     metrics = [rollout_metrics_of(t) for t in tables]
     tokens = sum(m.get("rollout/tokens", 0.0) for m in metrics)
-    seconds = max((m.get("rollout/seconds", 0.0) for m in metrics), default=0.0)
+    seconds, reward_seconds = (max((m.get(key, 0.0) for m in metrics), default=0.0) for key in ("rollout/seconds", "reward/seconds"))
     merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
-    return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+    return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+                    "reward/seconds": reward_seconds}
+
+
+def timed_rewards(config: StepConfig, responses: pa.Table, step: int, metrics: dict[str, float]) -> pa.Table:
+    """scoring.verify_rewards on a shard's responses, carrying `metrics` and its own wall time
+    (reward/seconds) in the table's metadata (with_rollout_metrics)."""
+    started = time.perf_counter()
+    scored = scoring.verify_rewards(config, responses, step)
+    return with_rollout_metrics(scored, {**metrics, "reward/seconds": time.perf_counter() - started})
 
 
 def sample_batch(
@@ -135,9 +144,9 @@ def sample_batch(
                   for shard in shards]
         responses, metrics = merge_shards(tables)
         if groups is None:
-            scored = scoring.verify_rewards(config, responses, step)
+            scored, metrics = merge_shards([timed_rewards(config, responses, step, metrics)])
         else:  # one rank of each engine scores its shards; the rounds' order is the shards'
-            mine = with_rollout_metrics(scoring.verify_rewards(config, responses, step), metrics) if groups.leader else None
+            mine = timed_rewards(config, responses, step, metrics) if groups.leader else None
             scored, metrics = merge_shards(groups.gather(mine))
         batch, state = scoring.filter_groups(config, scored, batch, state, metrics)
     return batch, state

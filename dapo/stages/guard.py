@@ -32,7 +32,7 @@ def rollout_guard_message(config: StepConfig, gap: float, step: int, checkpoint_
         else "from a rollout engine that had started fresh on the checkpoint (each rollout pod starts its own)"
     )
     return (
-        f"step {step}: the rollout's sampled-token log-probs differ from the trainer's by {gap:.4g} nats per token "
+        f"step {step + 1}: the rollout's sampled-token log-probs differ from the trainer's by {gap:.4g} nats per token "
         f"on average (max_rollout_logprob_gap {config.rollout_gap_threshold:.3g} for {config.dtype}), {tried}; "
         f"training would use importance ratios against other weights than the policy's, so the run stops. "
         f"Policy: {where}. Likely causes: {GUARD_CAUSES}."

@@ -58,6 +58,7 @@ def filter_groups(
         target_groups=config.train_prompt_bsz,
         max_rounds=config.max_num_gen_batches if config.dynamic_sampling else 1,  # without dynamic sampling one round is the batch
         rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0), rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
+        reward_seconds=rollout_metrics.get("reward/seconds", 0.0),
     )
     if state.done:
         batch = first_groups(batch, config.train_prompt_bsz)

@@ -74,6 +74,7 @@ def step_metrics(config: StepConfig, batch: pa.Table, state: SamplingState) -> d
         "rollout/tokens": state.rollout_tokens,
         "rollout/seconds": state.rollout_seconds,
         "rollout/tokens_per_s": state.rollout_tokens / state.rollout_seconds if state.rollout_seconds else 0.0,
+        "reward/seconds": state.reward_seconds,
         "step/skipped": 0.0,
         "guard/threshold": config.rollout_gap_threshold,
         "guard/regenerated": 0.0,
@@ -83,14 +84,15 @@ def step_metrics(config: StepConfig, batch: pa.Table, state: SamplingState) -> d
 
 def skips_update(config: StepConfig, batch: pa.Table, state: SamplingState, step: int) -> bool:
     """Whether the step skips its update for want of groups (an empty batch; a short one
-    with on_short_batch="skip"); logs why, and a short batch that is trained on."""
+    with on_short_batch="skip"); logs why, and a short batch that is trained on. step: the
+    index of the step's input checkpoint; messages name the step as its step line does (step + 1)."""
     groups, target = len(set(batch.column("group_id").to_pylist())), config.train_prompt_bsz
     if groups == 0 or (groups < target and config.on_short_batch == "skip"):
         logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
-                       step, groups, state.rounds, target, config.on_short_batch)
+                       step + 1, groups, state.rounds, target, config.on_short_batch)
         return True
     if groups < target:
-        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step, groups, target, state.rounds)
+        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step + 1, groups, target, state.rounds)
     return False
 
 
@@ -120,12 +122,12 @@ def train_on_batch(
             logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_label, regenerated=False))
             return False
         logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
-                       "and regenerating it", step, exceeded.gap, threshold, policy_label or "the policy")
+                       "and regenerating it", step + 1, exceeded.gap, threshold, policy_label or "the policy")
         metrics["guard/regenerated"] = 1.0
         batch = regenerate(batch)
         metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
         if batch.num_rows == 0:
-            logger.warning("step %d skipped: the regenerated batch has no informative group", step)
+            logger.warning("step %d skipped: the regenerated batch has no informative group", step + 1)
             return False
         try:
             update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
