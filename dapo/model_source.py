@@ -144,10 +144,9 @@ def convert_gguf(path: Path, out_dir: str | Path) -> dict[str, float]:
     model.tie_weights()
     del quantized
 
-    eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     turn_end = end_of_turn_token(tokenizer)
-    if turn_end is not None:
-        eos_ids = [tokenizer.convert_tokens_to_ids(turn_end), *(i for i in eos_ids if i != tokenizer.convert_tokens_to_ids(turn_end))]
+    candidates = (tokenizer.convert_tokens_to_ids(turn_end) if turn_end else None, tokenizer.eos_token_id)
+    eos_ids = list(dict.fromkeys(i for i in candidates if i is not None))  # the end of turn first
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad)
     out_dir = Path(out_dir)

@@ -4,7 +4,7 @@ import pytest
 
 from servers import start_s3, stop
 
-LONGEST_FILES_FIRST = ("test_pod_simulation.py", "test_reruns.py", "test_workflow_local.py", "test_learning.py",
+LONGEST_FILES_FIRST = ("test_pod_simulation.py", "test_reruns.py", "test_real_model.py", "test_workflow_local.py", "test_learning.py",
                        "test_tracking.py", "test_colocated.py")
 """The files that take minutes (pytest --durations), handed out first: with a file to a worker
 (--dist loadfile) in collection order, the longest one collected last (alphabetical) kept

@@ -99,3 +99,20 @@ def test_a_benchmark_worker_hands_its_figures_to_its_parent_or_its_failure_names
         run_worker([sys.executable, "-c", "import sys; sys.exit(3)"], "the broken worker")
     with pytest.raises(SystemExit, match="the silent worker failed \\(exit 0\\)"):
         run_worker([sys.executable, "-c", "print('no figures')"], "the silent worker")
+
+
+def test_the_real_model_curve_holds_each_seed_to_its_start_plus_a_tenth_within_30_training_minutes(capsys):
+    from benchmarks.real_curve import table
+
+    def record(seed, points):
+        return {"seed": seed, "wall_seconds": 600.0, "kept_ratio": 0.4, "date": "2026-12-06",
+                "step_seconds": {"generation": 20.0, "scoring": 0.1, "update": 30.0},
+                "validations": [{"step": s, "train_minutes": m, "acc": a, "format": 0.5, "last_number": 0.1} for s, m, a in points]}
+
+    table([record(1, [(0, 0.0, 0.02), (4, 4.0, 0.19)]),
+           record(2, [(0, 0.0, 0.05), (4, 4.0, 0.10), (24, 31.0, 0.40)]),  # its gain came after 30 minutes
+           record(1, [(0, 0.0, 0.02), (4, 4.0, 0.20)])])  # a seed's newest record counts
+    out = capsys.readouterr().out
+    assert "seed 1: 0.020 -> best 0.200 at step 4 (4.0 training min): meets" in out
+    assert "seed 2: 0.050 -> best 0.100 at step 4 (4.0 training min): MISSES" in out
+    assert "   4       4.0   0.200   0.100  0.150" in out
