@@ -55,6 +55,9 @@ def figures(tracking_uri: str, seed: int, wall_seconds: float) -> dict:
     for key in run.data.metrics:
         for point in client.get_metric_history(run.info.run_id, key):
             history.setdefault(point.step, {})[key] = point.value
+    if not wall_seconds:  # a run recorded afterwards: from its MLflow run's start to its last metric
+        last = max(point.timestamp for key in run.data.metrics for point in client.get_metric_history(run.info.run_id, key))
+        wall_seconds = (last - run.info.start_time) / 1000
     clock, validations = 0.0, []
     for step in sorted(history):
         clock += sum(history[step].get(part, 0.0) for part in STEP_PARTS)
@@ -98,7 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, help="run this seed and append its figures")
     parser.add_argument("--record", default="", help="append the figures of a run already made (its MLflow tracking URI), with --seed")
-    parser.add_argument("--wall-seconds", type=float, default=0.0, help="with --record: that run's wall time")
+    parser.add_argument("--wall-seconds", type=float, default=0.0,
+                        help="with --record: that run's wall time (0: from its MLflow run's start to its last metric)")
     parser.add_argument("--table", action="store_true", help="print the table of the recorded seeds")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()

@@ -879,7 +879,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             weight_decay=0.0,
             ppo_mini_batch_size=8,
             max_tokens_per_micro_batch=2048,
-            total_steps=24,
+            total_steps=12,
             steps_per_chunk=4,
             execution="colocated",
             colocated_checkpoint_every=4,

@@ -277,7 +277,8 @@ def render_prompt(record: PromptRecord, tokenizer, system_prompt: str | None = N
     system_prompt (RolloutConfig.system_prompt), for a chat without a system turn: None keeps
     what the template does (some add a default system turn), text becomes the system turn,
     "" drops the template's default: the chat is rendered behind a placeholder system turn,
-    which is then cut off (DataError if the template does not render it as a prefix of its own).
+    which is then cut off, a BOS token before it kept (DataError if the template does not
+    render the placeholder as a prefix of its own).
     """
     chat = record.chat
     if system_prompt is None or any(role == "system" for role, _ in record.messages):
@@ -285,13 +286,18 @@ def render_prompt(record: PromptRecord, tokenizer, system_prompt: str | None = N
     if system_prompt:
         return tokenizer.apply_chat_template([{"role": "system", "content": system_prompt}, *chat], tokenize=False,
                                              add_generation_prompt=True)
-    placeholder = [{"role": "system", "content": "dapo-system-placeholder"}]
+    marker = "dapo-system-placeholder"
+    placeholder = [{"role": "system", "content": marker}]
     system_turn = tokenizer.apply_chat_template(placeholder, tokenize=False)
     text = tokenizer.apply_chat_template(placeholder + chat, tokenize=False, add_generation_prompt=True)
-    if not text.startswith(system_turn):
+    if marker not in system_turn or not text.startswith(system_turn):
         raise DataError("rollout.system_prompt='': this chat template does not render a system turn as a prefix of the "
                         "chat, so its default cannot be cut off; set rollout.system_prompt to a text of your own")
-    return text[len(system_turn):]
+    dropped = text[len(system_turn):]
+    bos = tokenizer.bos_token
+    if bos and system_turn.startswith(bos) and not dropped.startswith(bos):
+        dropped = bos + dropped  # a BOS the template writes before any turn (Llama 3's <|begin_of_text|>) stays
+    return dropped
 
 
 def system_prompt_tokens(tokenizer, system_prompt: str | None) -> int:

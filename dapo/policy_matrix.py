@@ -35,6 +35,12 @@ class PolicyLayout:
     """tie_word_embeddings: lm_head shares the input embedding (no lm_head.weight on disk)."""
     chatml: bool = True
     """A ChatML tokenizer (<|im_start|> roles, eos <|im_end|>); False = the embedded policy's tokenizer."""
+    tokenizer_source: str = ""
+    """A real model's tokenizer and chat template instead of a generated one: a model_path
+    (a Hugging Face directory, or a GGUF source such as SmolLM2's 49k ChatML tokenizer,
+    dapo.model_source); the embedding matrices get its vocabulary."""
+    architecture: str = "qwen2"
+    """The transformers model class: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM, SmolLM2's and Llama-3.2's)."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     vocab_size: int = 320
@@ -58,7 +64,9 @@ class PolicyLayout:
 
     @property
     def name(self) -> str:
-        return f"{'tied' if self.tied else 'untied'}-{'chatml' if self.chatml else 'plain'}"
+        tokenizer = "real" if self.tokenizer_source else "chatml" if self.chatml else "plain"
+        model = "" if self.architecture == "qwen2" else f"{self.architecture}-"
+        return f"{model}{'tied' if self.tied else 'untied'}-{tokenizer}"
 
 
 def chatml_tokenizer(vocab_size: int = 320):
@@ -96,9 +104,11 @@ QWEN2_5_1_5B_SHAPES = PolicyLayout(tied=True, hidden_size=1536, num_hidden_layer
 def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), device: str = "cpu", dtype: str = "float32") -> str:
     """A random-init Qwen2 of this layout, with its tokenizer, saved as safetensors in output_dir
     (built on device in dtype: a GPU builds a 1.5B model in seconds)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    if layout.chatml:
+    if layout.tokenizer_source:
+        tokenizer = source_tokenizer(layout.tokenizer_source)
+    elif layout.chatml:
         tokenizer = chatml_tokenizer(layout.vocab_size)
     else:
         from dapo.policy import TinyPolicySpec, build_tokenizer, warm_start_examples
@@ -108,7 +118,8 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), 
         tokenizer = build_tokenizer(corpus, min(layout.vocab_size, TinyPolicySpec.vocab_size))
     torch.manual_seed(layout.seed)
     heads = max(1, layout.hidden_size // layout.head_dim)
-    config = Qwen2Config(
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[layout.architecture]
+    config = config_class(
         vocab_size=layout.embedding_rows or len(tokenizer),
         hidden_size=layout.hidden_size,
         intermediate_size=layout.intermediate_size or 2 * layout.hidden_size,
@@ -123,7 +134,7 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), 
         dtype=dtype,
     )
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+        model = model_class(config).to(getattr(torch, dtype))
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
@@ -142,6 +153,18 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), 
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
+
+
+def source_tokenizer(model_path: str):
+    """The tokenizer (with its chat template) of a model_path: a Hugging Face directory or a GGUF source."""
+    from transformers import AutoTokenizer
+
+    from dapo.model_source import is_gguf_source, locate_gguf
+
+    if is_gguf_source(model_path):
+        path = locate_gguf(model_path)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 def perturbed_copy(source_dir: str | Path, output_dir: str | Path, scale: float = 0.05, seed: int = 1) -> str:

