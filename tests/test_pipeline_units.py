@@ -170,7 +170,7 @@ def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
     merged, metrics = merge_shards(scored)
     assert merged.column("group_id").to_pylist() == ["s0-r0-p0-x"] * 2 + ["s0-r0-p1-y"] * 2
     assert merged.schema == SCORED_SCHEMA and not merged.schema.metadata
-    assert metrics == {"rollout/tokens": 40.0, "rollout/seconds": 4.0, "rollout/tokens_per_s": 10.0}
+    assert metrics == {"rollout/tokens": 40.0, "rollout/seconds": 4.0, "rollout/tokens_per_s": 10.0, "reward/seconds": 0.0}
     assert rollout_metrics_of(rollout_table({"g": ["a", "b"]})) == {}
 
 

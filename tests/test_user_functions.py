@@ -156,7 +156,7 @@ def test_the_example_loss_is_cispos_formula():
 
 # --- at the start of a run ------------------------------------------------------------
 @pytest.mark.parametrize("assignment, message", [
-    ("reward.reward_fn=dapo_maths", "DAPOConfig.reward_fn: unknown scorer 'dapo_maths': choose one of \\['dapo_math'\\]"),
+    ("reward.reward_fn=dapo_maths", "DAPOConfig.reward_fn: unknown scorer 'dapo_maths': choose one of \\['dapo_math', 'reasoning_gym'\\]"),
     ("algorithm.loss_fn=examples/no_such.py:loss", "DAPOConfig.loss_fn: policy loss 'examples/no_such.py:loss': no file"),
     ("algorithm.loss_fn=examples/my_loss.py:grpo", "has no function 'grpo'"),
     ("'reward.reward_fn_by_source={gsm8k: no_such_module:score}'", "reward_fn_by_source\\['gsm8k'\\]: scorer .* cannot import 'no_such_module'"),
