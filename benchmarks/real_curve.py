@@ -24,11 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from dapo.report import STEP_PARTS
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "smollm2_curve.jsonl"
 TARGET_GAIN = 0.10
 TARGET_TRAIN_MINUTES = 30.0
-STEP_PARTS = ("rollout/seconds", "reward/seconds", "policy_step/seconds")
 
 
 def run_seed(seed: int, work: Path) -> float:
@@ -60,7 +61,7 @@ def figures(tracking_uri: str, seed: int, wall_seconds: float) -> dict:
         wall_seconds = (last - run.info.start_time) / 1000
     clock, validations = 0.0, []
     for step in sorted(history):
-        clock += sum(history[step].get(part, 0.0) for part in STEP_PARTS)
+        clock += sum(history[step].get(key, 0.0) for key, _ in STEP_PARTS)
         if "val/acc" in history[step]:
             validations.append({"step": step, "train_minutes": clock / 60, "acc": history[step]["val/acc"],
                                 "format": history[step]["val/format_score"], "last_number": history[step].get("val/score/last_number")})

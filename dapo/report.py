@@ -54,6 +54,10 @@ def html_table(rows: list[dict], max_cell: int = 300) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+STEP_PARTS = (("rollout/seconds", "gen"), ("reward/seconds", "score"), ("policy_step/seconds", "update"))
+"""A step's timed parts (metric, name on the step line): generation, scoring, the update."""
+
+
 def step_line(metrics: dict) -> str:
     """One compact line per step for the local console."""
     def get(key: str, fmt: str) -> str:
@@ -64,8 +68,7 @@ def step_line(metrics: dict) -> str:
     unverified = f" | unverified {unverified_count:.0f}" if unverified_count else ""
 
     # The step's parts, where it has them (a validation line has none).
-    parts = (("rollout/seconds", "gen"), ("reward/seconds", "score"), ("policy_step/seconds", "update"))
-    timing = ", ".join(f"{name} {metrics[key]:.1f}" for key, name in parts if key in metrics)
+    timing = ", ".join(f"{name} {metrics[key]:.1f}" for key, name in STEP_PARTS if key in metrics)
     timing = f" ({timing})" if timing else ""
 
     return (

@@ -132,7 +132,7 @@ def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_
 def report_step(state: LoopState, target_json: str, step: int, step_metrics: dict[str, float]) -> None:
     """Print the step line and log the step's metrics (after whatever earlier deliveries
     left pending; what MLflow does not take goes into state's outbox)."""
-    seconds = sum(step_metrics.get(key, 0.0) for key in ("rollout/seconds", "reward/seconds", "policy_step/seconds"))
+    seconds = sum(step_metrics.get(key, 0.0) for key, _ in report.STEP_PARTS)
     print(report.step_line({"step": step, **step_metrics, "step/seconds": seconds}), flush=True)
     deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
 

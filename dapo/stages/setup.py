@@ -13,8 +13,8 @@ from dapo import checkpoint
 from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig
 from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, write_embedded_splits
 from dapo.gym_tasks import DATA_SOURCE as GYM_DATA_SOURCE
-from dapo.model_source import convert_gguf, is_gguf_source, locate_gguf, model_digest
 from dapo.gym_tasks import DEFAULT_VAL_SIZE, VAL_SEED_OFFSET, GymRow, generate_rows, is_gym_spec, parse_spec
+from dapo.model_source import convert_gguf, is_gguf_source, locate_gguf, model_digest
 
 TRAIN_FILE, VAL_FILE = "train.parquet", "val.parquet"
 EMBEDDED_SEED = 0
