@@ -575,3 +575,27 @@ def test_an_engine_that_cannot_fit_beside_the_trainer_is_refused_with_the_number
     problem = start_memory_problem(30 * gib, 80 * gib, 0.5)
     assert "gpu_memory_utilization=0.5 x 80.0 GiB = 40.0 GiB, but 30.0 GiB are free (50.0 GiB held by others" in problem
     assert "rollout.colocated_rollout_gpu_memory" in problem
+
+
+@needs_vllm
+def test_the_cpu_engine_holds_one_round_in_kv_blocks_that_a_groups_samples_share(policy_dir):
+    """The KV cache is sized to the sequences of one round (vLLM's max_num_seqs), and its blocks
+    are small enough (CPU_BLOCK_SIZE) that the G samples of a prompt share its prompt's."""
+    from dapo.config import DAPOConfig
+    from dapo.rollout.vllm_local import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
+    from dapo.stages.generation import policy_engine, round_sequences_per_engine
+
+    config = DAPOConfig.tiny_cpu().replace(train_prompt_bsz=4, gen_prompt_bsz=6, ppo_mini_batch_size=4, n_samples_per_prompt=4)
+    assert round_sequences_per_engine(config) == 24
+    assert round_sequences_per_engine(config.replace(dynamic_sampling=False)) == config.train_prompt_bsz * 4
+    close_cached_rollout_engine()
+    engine = policy_engine(config, policy_dir)
+    try:
+        max_len = config.max_prompt_length + config.max_response_length
+        assert engine.max_concurrent_sequences == 24
+        assert engine.kv_cache_bytes == cpu_kv_cache_bytes(policy_dir, "float32", max_len, 24)
+        assert engine.kv_cache_bytes < cpu_kv_cache_bytes(policy_dir, "float32", max_len, 256)  # vLLM's default
+        cache = engine._llm.llm_engine.vllm_config.cache_config
+        assert cache.block_size == CPU_BLOCK_SIZE and cache.enable_prefix_caching
+    finally:
+        close_cached_rollout_engine()

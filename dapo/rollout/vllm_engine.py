@@ -68,6 +68,8 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"in_memory_sync={in_memory_sync!r}: must be one of {IN_MEMORY_SYNC_METHODS}")
         self.in_memory_sync = in_memory_sync
         self._llm = None
+        self.kv_cache_bytes: int | None = None
+        self.max_concurrent_sequences: int | None = None
         self._model_ref = None  # a weak reference to the in-process model: close checks that it is freed
         self._slept_bytes = 0  # accelerator memory that sleep freed, which waking takes back
         self._inprocess = False
@@ -106,12 +108,15 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise ValueError("in_memory_sync='direct' cannot load into vLLM's CPU build, whose linear layers repack "
                                  "their weights after loading (their parameters are empty then): use 'layerwise'")
             if on_cpu:
-                options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes)
+                options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes,
+                                             self.engine_kwargs.get("max_num_seqs", 256))
             elif self.kv_cache_memory_bytes is not None:
                 options = {"kv_cache_memory_bytes": int(self.kv_cache_memory_bytes)}
             else:
                 options = {}
             options.update(self.engine_kwargs)
+            self.kv_cache_bytes = options.get("kv_cache_memory_bytes")  # None: vLLM sizes it (GPU memory utilization)
+            self.max_concurrent_sequences = options.get("max_num_seqs")
             if "gpu_memory_utilization" in options and torch.cuda.is_available() and torch.cuda.is_initialized():
                 # beside a trainer in this process (colocated): its cached blocks first, then the fit
                 empty_accelerator_cache()

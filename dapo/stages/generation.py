@@ -161,6 +161,12 @@ def vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def round_sequences_per_engine(config: StepConfig) -> int:
+    """The sequences one engine generates at once in a round: prompts_per_round x G, split
+    over the colocated run's rollout_groups engines (validation's prompts queue behind them)."""
+    return max(1, -(-config.prompts_per_round * config.n_samples_per_prompt // max(1, config.rollout_groups)))
+
+
 def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
     """The process's rollout engine, holding policy_dir's weights.
 
@@ -180,6 +186,9 @@ def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
             "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
     options = {}
+    if config.rollout_backend == "vllm" and vllm_on_cpu():
+        # its KV cache is host memory: sized to the round this engine generates, not vLLM's 256 sequences
+        options["max_num_seqs"] = round_sequences_per_engine(config)
     if colocated and config.rollout_backend == "vllm":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
