@@ -9,6 +9,7 @@ predict the response tokens.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -144,14 +145,33 @@ def response_log_probs(
     Logits are divided by the sampling temperature so the log-probs are those of the
     distribution the rollout sampled from.
     """
+    width = batch.responses.shape[1]
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        **logits_only_at(model, width + 1),  # positions P-1 .. P+R-1: the last R + 1
     ).logits
-    response_logits = logits[:, batch.prompt_length - 1 : -1, :].float() / temperature
+    response_logits = logits[:, -(width + 1) : -1, :].float() / temperature
     return _token_log_probs(response_logits, batch.responses, with_entropy)
+
+
+def logits_only_at(model: torch.nn.Module, keep: int | torch.Tensor) -> dict:
+    """The forward's `logits_to_keep` (the last `keep` positions, or these positions), where
+    the model takes it: the LM head and its (tokens x vocabulary) logits then cover the
+    response only, not the prompt (at SmolLM2's 49k vocabulary, 0.2 MB a token in float32).
+    A model whose forward does not take it computes every position's logits, and the caller
+    slices them: the same log-probs."""
+    forward = getattr(model, "module", model).forward  # a DeepSpeed engine wraps the model
+    return {"logits_to_keep": keep} if "logits_to_keep" in _parameters(forward) else {}
+
+
+def _parameters(function) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def _token_log_probs(
@@ -216,8 +236,9 @@ def packed_response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """response_log_probs of a packed batch, laid out (rows, width) as the padded batch's
     (zeros past each response): logits are computed for the real tokens only."""
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
-    response_logits = logits[0, packed.logit_positions].float() / temperature
+    kept = logits_only_at(model, packed.logit_positions)
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, **kept).logits
+    response_logits = (logits[0] if kept else logits[0, packed.logit_positions]).float() / temperature
     token_log_probs, entropy = _token_log_probs(response_logits, packed.targets, with_entropy)
 
     def unpack(values: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ gradients, log-probs and updated weights equal those of the padded fixed-size pa
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pyarrow as pa
@@ -120,6 +121,36 @@ def test_packed_log_probs_and_entropy_equal_the_padded_ones(policy_dir):
     assert (packed[mask] - padded[mask]).abs().max().item() < 1e-5
     assert (packed_entropy[mask] - padded_entropy[mask]).abs().max().item() < 1e-5
     assert pack(batch).input_ids.shape[1] == int(batch.attention_mask.sum())  # not a padding token computed
+
+
+def test_logits_at_the_response_positions_only_give_the_same_log_probs_as_every_positions(policy_dir, monkeypatch):
+    """The LM head over the response positions only (the model's logits_to_keep), padded and
+    packed, against the logits of every position sliced afterwards, which is also what a
+    model whose forward does not take logits_to_keep gets."""
+    import dapo.batch
+
+    batch = collate_table(mixed_table(groups=3), pad_token_id=0)
+    trainer = make_trainer(budget_config(), policy_dir)
+    seen = []
+    forward = trainer.model.forward
+
+    @functools.wraps(forward)  # keeps the forward's signature, which logits_only_at reads
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("logits_to_keep"))
+        return forward(*args, **kwargs)
+
+    trainer.model.forward = spy
+    try:
+        with torch.no_grad():
+            kept = [response_log_probs(trainer.model, batch, 0.7, True), packed_response_log_probs(trainer.model, pack(batch), 0.7, True)]
+            assert seen[0] == batch.responses.shape[1] + 1 and seen[1].shape == (int(batch.response_mask.sum()),)
+            monkeypatch.setattr(dapo.batch, "logits_only_at", lambda model, keep: {})  # a forward without logits_to_keep
+            every = [response_log_probs(trainer.model, batch, 0.7, True), packed_response_log_probs(trainer.model, pack(batch), 0.7, True)]
+    finally:
+        trainer.close()
+    for (log_probs, entropy), (want_log_probs, want_entropy) in zip(kept, every):
+        assert (log_probs - want_log_probs).abs().max().item() < 1e-6 and (entropy - want_entropy).abs().max().item() < 1e-6
+    assert dapo.batch._parameters(lambda input_ids, attention_mask=None: None) == {"input_ids", "attention_mask"}
 
 
 def test_varlen_attention_gives_the_padded_log_probs_at_each_rows_own_cost(policy_dir):
