@@ -37,6 +37,7 @@ import pyarrow.ipc
 from dapo import checkpoint
 from dapo.config import DAPOConfig
 from dapo.faults import crash_point
+from dapo.memory import breakdown_line, memory_breakdown
 from dapo.stages.generation import policy_engine, sample_batch
 from dapo.stages.guard import regenerate_batch
 from dapo.stages.training import is_bad_step, skips_update, step_metrics, train_on_batch
@@ -161,6 +162,8 @@ def run_colocated(
                 engine.load_weights_from_tensors(trainer.named_weights())
                 metrics["sync/seconds"] = time.perf_counter() - synced
             metrics["policy_step/seconds"] = time.perf_counter() - started
+            if step == first_step + done and trainer.is_main and trainer.device.type == "cpu":  # host memory: a CPU run's
+                print(breakdown_line(memory_breakdown(config, trainer, engine), config, engine), flush=True)
             if finish_step(config, trainer, out_root, result, first_step, n_steps, step, metrics, checkpoint_every, on_step).stop:
                 break
     finally:

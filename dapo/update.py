@@ -92,7 +92,9 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
     if config.overlong_filtering:
         loss_mask[truncated] = 0.0
 
+    started = time.perf_counter()
     old_log_probs, entropy = trainer.log_probs(batch, temperature)
+    log_prob_seconds = time.perf_counter() - started
     rollout_log_probs, covered = rollout_log_prob_tensor(scored, old_log_probs, batch.response_mask)
     compared = response_mask * covered.unsqueeze(-1)
     rollout_weights, correction_metrics = correction_weights(
@@ -114,6 +116,7 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
         "truncated_frac": truncated.float().mean().item(),
         "advantage_abs_mean": advantages.abs().mean().item(),
         "groups": float(len(group_rows)),
+        "old_log_prob_seconds": log_prob_seconds,
         "rollout_logprob_diff": masked_mean((old_log_probs - rollout_log_probs).abs(), compared).item()
         if compared.any() else float("nan"),
         **correction_metrics,
@@ -234,7 +237,7 @@ def policy_update(
     (dapo.rollout_correction); response_length_mean/max;
     tokens (valid response tokens), loss_tokens (after overlong filtering);
     num_updates (applied), nonfinite_updates (refused), empty_updates (mini-batches
-    with no valid token); step_seconds.
+    with no valid token); step_seconds, of which old_log_prob_seconds (the no-grad pass for pi_old).
 
     max_rollout_gap: raise RolloutGapExceeded before any update when rollout_logprob_diff
     exceeds it (every rank computes the same value from all-reduced log-probs).

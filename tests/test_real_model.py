@@ -75,3 +75,21 @@ def test_the_registered_version_is_the_trained_model_and_generates(run):
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
     assert tokenizer.decode(out, skip_special_tokens=True).strip()
+
+
+def test_the_first_step_prints_where_memory_goes_with_a_kv_cache_sized_to_the_round(run):
+    """The KV cache holds one round (gen_prompt_bsz x G sequences of max_model_len tokens), not
+    vLLM's default 256 sequences; the parts are SmolLM2's own sizes, within the peak."""
+    import re
+
+    _, result, _ = run
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("memory at the first step")]
+    parts = {name.strip(): float(gib) for name, gib in re.findall(r"([a-zA-Z ]+?) (\d+\.\d+)", line.split(": ", 1)[1])}
+    sequences, tokens = map(int, re.search(r"\((\d+) sequences x (\d+) tokens\)", line).groups())
+    assert (sequences, tokens) == (TINY["gen_prompt_bsz"] * TINY["n_samples_per_prompt"], 160 + TINY["max_response_length"])
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V of 30 layers x 3 KV heads x 64 dims, float32
+    assert parts["KV cache"] == pytest.approx(per_token * sequences * tokens / 2**30, abs=0.006)
+    weights = 134_515_008 * 4 / 2**30
+    assert parts["weights"] == pytest.approx(weights, abs=0.006) and parts["engine weights"] == pytest.approx(weights, abs=0.006)
+    assert parts["optimizer state"] == pytest.approx(2 * weights, abs=0.011)  # AdamW's two moments, float32
+    assert sum(v for k, v in parts.items() if k not in ("resident", "peak")) <= parts["peak"] + 0.01

@@ -182,7 +182,7 @@ class PolicyTrainer(ABC):
     # --- shared implementation -------------------------------------------------------
     @property
     def pad_token_id(self) -> int:
-        config = self._hf_config()
+        config = self.hf_config()
         for value in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
             if isinstance(value, (list, tuple)):
                 value = value[0] if value else None
@@ -190,7 +190,8 @@ class PolicyTrainer(ABC):
                 return int(value)
         return 0
 
-    def _hf_config(self):
+    def hf_config(self):
+        """The policy's transformers config."""
         module = self.module
         return getattr(module, "config", None) or getattr(getattr(module, "module", None), "config", None)
 

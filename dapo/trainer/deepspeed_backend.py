@@ -221,7 +221,7 @@ class DeepSpeedTrainer(PolicyTrainer):
     def device(self) -> torch.device:
         return torch.device(self.engine.device)
 
-    def _hf_config(self):
+    def hf_config(self):
         return self.engine.module.config
 
     def zero_grad(self) -> None:
