@@ -81,10 +81,11 @@ def prepare_start(work: Path) -> None:
 
 
 def run_dapo_loop(
-    work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0, curve: list | None = None
+    work: Path, steps: int, overrides: dict, name: str, steps_per_chunk: int = 0, curve: list | None = None,
+    preset: str = "tiny_cpu",
 ) -> tuple[str, list[dict], float]:
-    """dapo_loop from work/'s starting point, executed locally by flytekit with caching off
-    (steps_per_chunk: 0 = the preset's).
+    """dapo_loop of `preset` from work/'s starting point (policy-0, data/), executed locally
+    by flytekit with caching off (steps_per_chunk: 0 = the preset's).
 
     Returns the final checkpoint path, the metric history and the seconds spent in
     validation (validation.evaluate), which benchmarks of the step loop leave out. curve, if
@@ -115,7 +116,7 @@ def run_dapo_loop(
     validation.evaluate = timed_evaluate
     try:
         policy, summary = dapo_loop(
-            preset="tiny_cpu", overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
+            preset=preset, overrides_json=json.dumps({"model_path": str(work / "policy-0"), **overrides}),
             total_steps=steps, train_data=str(work / "data" / setup.TRAIN_FILE), val_data=str(work / "data" / setup.VAL_FILE),
             mlflow_tracking_uri=f"sqlite:///{work / 'mlflow.db'}", mlflow_experiment="benchmarks", model_name=name,
             steps_per_chunk=steps_per_chunk,

@@ -1,5 +1,6 @@
 """The benchmarks' own logic (the runs themselves: benchmarks/*.py, see RESULTS.md)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +117,45 @@ def test_the_real_model_curve_holds_each_seed_to_its_start_plus_a_tenth_within_3
     assert "seed 1: 0.020 -> best 0.200 at step 4 (4.0 training min): meets" in out
     assert "seed 2: 0.050 -> best 0.100 at step 4 (4.0 training min): MISSES" in out
     assert "   4       4.0   0.200   0.100  0.150" in out
+
+
+def test_trl_reward_scores_a_reasoning_gym_row_by_the_tasks_own_verifier():
+    """TRL hands the data set's data_source and extra_info to the reward: each row is scored by
+    its source's scorer, as our verify_rewards scores it."""
+    from benchmarks.vs_trl import setup_scorers
+    from dapo.gym_tasks import generate_rows, parse_spec
+
+    config = DAPOConfig.smollm2_cpu()
+    config = config.replace(reward_fn_by_source=setup_scorers(config))
+    (row,) = generate_rows(parse_spec("reasoning_gym:chain_sum?min_terms=2&max_terms=2&size=1&seed=3"))
+    reward = DapoReward(config, updates_per_step=1)
+    extra = json.dumps(row.source)
+    got = reward(prompts=["q", "q"], completions=[f"Answer: {row.answer}", f"Answer: {int(row.answer) + 1}"], completion_ids=[[1] * 4, [1] * 4],
+                 ground_truth=[row.answer] * 2, data_source=["reasoning_gym"] * 2, extra_info=[extra] * 2)
+    assert got == [1.0, -1.0] and reward.seconds > 0
+
+
+def test_the_side_by_side_table_times_each_run_to_trls_final_accuracy_from_the_recorded_seeds(tmp_path, capsys):
+    from benchmarks.vs_trl import SETTINGS, recorded, report
+
+    def record(run, seed, seconds_per_step, curve):
+        return {"run": run, "seed": seed, "train_seconds": 12 * seconds_per_step, "generated_tokens": 600.0, "peak_rss_mib": 5000.0,
+                "step_parts": {"generation": 10.0, "update": 20.0}, "curve": [{"step": s, "train_seconds": t, "val/acc": a} for s, t, a in curve]}
+
+    path = tmp_path / "records.jsonl"
+    rows = [record("trl", 0, 60.0, [(0, 0, 0.03), (4, 240, 0.15), (8, 480, 0.22), (12, 720, 0.24)]),
+            record("trl", 1, 60.0, [(0, 0, 0.03), (4, 240, 0.16), (8, 480, 0.20), (12, 720, 0.22)]),
+            record("ours-colocated", 0, 30.0, [(0, 0, 0.03), (4, 120, 0.20), (8, 240, 0.25), (12, 360, 0.26)]),
+            record("ours-colocated", 1, 30.0, [(0, 0, 0.03), (4, 120, 0.24), (8, 240, 0.25), (12, 360, 0.27)]),
+            record("ours-colocated", 1, 99.0, [(0, 0, 0.03), (12, 1188, 0.0)])]  # an older record of seed 1: the newest counts
+    path.write_text("\n".join(json.dumps(r) for r in [rows[4], *rows[:4]]) + "\n")
+    table = report(SETTINGS["smollm2_cpu"], recorded(path), 12)
+    out = capsys.readouterr().out
+    # TRL's target: the mean of its finals, 0.23; TRL's seeds reach it at 720 s (seed 0) and never (seed 1)
+    assert table["trl"]["seconds_to_trl_accuracy"] == 720 and table["trl"]["seeds_reaching_trl_accuracy"] == 1
+    assert table["ours-colocated"]["seconds_to_trl_accuracy"] == 180 and table["ours-colocated"]["comparison_valid"]
+    assert "TRL's time / this one's = 4.00" in out and "the comparison is valid" in out
+    rows[1]["curve"][-1]["val/acc"] = 0.10  # TRL's gain (+0.14) no longer exceeds twice its spread (2 x 0.14)
+    path.write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
+    assert not report(SETTINGS["smollm2_cpu"], recorded(path), 12)["trl"]["comparison_valid"]
+    assert "NOT valid" in capsys.readouterr().out
