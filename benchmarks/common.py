@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dapo.memory import resident_gib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,13 +29,12 @@ def chosen(option: str, allowed, what: str) -> list[str]:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return resident_gib()[1] * 1024
 
 
 def rss_mib() -> float:
     """This process's resident memory now."""
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS:"))
+    return resident_gib()[0] * 1024
 
 
 RESULT_PREFIX = "RESULT "

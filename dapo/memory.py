@@ -1,4 +1,4 @@
-"""Where a colocated process's memory goes, printed once at its first step so that a user
+"""Where a colocated process's memory goes, printed at each chunk's first step so that a user
 can size a machine: the trainer's weights, gradients and optimizer state, the rollout
 engine's copy of the weights and its KV cache, and a micro-batch's activations, against
 what the process holds (resident now and at its peak).
@@ -11,19 +11,24 @@ an estimate (activation_bytes).
 from __future__ import annotations
 
 import resource
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GIB = 2**30
 
 
 def tensor_bytes(tensors) -> int:
+    import torch  # here: benchmarks read resident_gib without torch
+
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def parameter_count(module: torch.nn.Module) -> int:
-    """Parameters, shared ones once (tied embeddings); a ZeRO-3 partitioned one at its full size."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+def parameter_count(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Parameters (or the trainable ones), shared ones once (tied embeddings); a ZeRO-3
+    partitioned one at its full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -58,7 +63,7 @@ def memory_breakdown(config, trainer, engine) -> dict[str, float]:
     module = trainer.module
     count = parameter_count(module)
     weight_bytes = tensor_bytes(module.parameters()) or count * 4
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+    trainable = parameter_count(module, trainable_only=True)
     engine_dtype_bytes = 2 if engine.dtype in ("bfloat16", "float16", "half") else 4
     hf = trainer.hf_config()
     micro_tokens = config.max_tokens_per_micro_batch or trainer.forward_micro_batch_size * (

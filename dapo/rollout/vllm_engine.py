@@ -18,7 +18,8 @@ from dapo.rollout.base import (
     request_seed,
 )
 from dapo.rollout.vllm_local import (
-    cpu_engine_options, keep_caller_process_state, keep_default_process_group, quiet_repeated_warnings, serving_threads,
+    VLLM_MAX_NUM_SEQS, cpu_engine_options, keep_caller_process_state, keep_default_process_group, quiet_repeated_warnings,
+    serving_threads,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                  "their weights after loading (their parameters are empty then): use 'layerwise'")
             if on_cpu:
                 options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes,
-                                             self.engine_kwargs.get("max_num_seqs", 256))
+                                             self.engine_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
             elif self.kv_cache_memory_bytes is not None:
                 options = {"kv_cache_memory_bytes": int(self.kv_cache_memory_bytes)}
             else:

