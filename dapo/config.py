@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -483,7 +484,8 @@ def flat_overrides(values: Mapping[str, Any]) -> dict[str, Any]:
 def parse_assignments(text: str) -> dict[str, Any]:
     """Dotted assignments as given on the command line, "algorithm.clip_high=0.2
     rollout.temperature=0.9", separated by spaces (quote a value with spaces), as overrides. Values
-    are read as YAML scalars or flow collections: 0.2, 1e-6, true, null, "a b", {k: v}."""
+    are read as YAML scalars or flow collections: 0.2, true, null, "a b", {k: v}; a float field
+    also takes the text YAML 1.1 leaves unread (1e-6, inf), see _typed."""
     import shlex
 
     import yaml
@@ -497,11 +499,6 @@ def parse_assignments(text: str) -> dict[str, Any]:
             parsed = yaml.safe_load(value) if value else ""
         except yaml.YAMLError as error:
             raise ConfigError(f"--set {item!r}: the value is not a YAML scalar or flow collection ({error})") from error
-        if isinstance(parsed, str):  # YAML 1.1 reads 1e-6 as a string
-            try:
-                parsed = float(parsed) if any(c in parsed for c in ".eE") else int(parsed)
-            except ValueError:
-                pass
         overrides[key] = parsed
     return overrides
 
@@ -522,6 +519,14 @@ def read_config_file(path: str) -> dict[str, Any]:
     return dict(values)
 
 
+def _float_text(text: str) -> float | str:
+    """The float that text spells (YAML 1.1 leaves 1e-6 and inf as text), else the text."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _typed(name: str, value: Any) -> Any:
     """value as the field's type (an int for a float field becomes a float); ConfigError if it is not one."""
     annotation = _FIELD_TYPES[name]
@@ -531,8 +536,11 @@ def _typed(name: str, value: Any) -> Any:
             return None
         if typing.get_origin(option) is Literal and value in typing.get_args(option):
             return value
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        number = _float_text(value) if option is float and isinstance(value, str) else value
+        if option is float and isinstance(number, (int, float)) and not isinstance(number, bool):
+            if math.isnan(number):
+                raise ConfigError(f"{SECTION_OF[name]}.{name}={value!r}: must be a number (inf is one, nan is not)")
+            return float(number)
         if option in (int, str, bool) and type(value) is option:
             return value
         if typing.get_origin(option) is dict and isinstance(value, Mapping):

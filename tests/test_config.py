@@ -139,7 +139,7 @@ def test_set_assignments_read_values_as_yaml_and_apply_after_the_file_and_the_js
 
     assert parse_assignments("algorithm.clip_high=0.2 trainer.lr=1e-6 rollout.max_rollout_logprob_gap=null "
                              "algorithm.dynamic_sampling=false 'run.extra={team: rl}' model.model_path='/models/a b'") == {
-        "algorithm.clip_high": 0.2, "trainer.lr": 1e-6, "rollout.max_rollout_logprob_gap": None,
+        "algorithm.clip_high": 0.2, "trainer.lr": "1e-6", "rollout.max_rollout_logprob_gap": None,
         "algorithm.dynamic_sampling": False, "run.extra": {"team": "rl"}, "model.model_path": "/models/a b",
     }
     with pytest.raises(ConfigError, match="expected section.field=value"):
@@ -148,6 +148,36 @@ def test_set_assignments_read_values_as_yaml_and_apply_after_the_file_and_the_js
     path.write_text("algorithm: {clip_high: 0.3, clip_low: 0.1}\nrollout.temperature: 0.8\ntotal_steps: 4\n")
     config = resolve("tiny_cpu", overrides_json='{"clip_low": 0.15}', total_steps=6, config_file=str(path), set="algorithm.clip_high=0.25")
     assert (config.clip_high, config.clip_low, config.temperature, config.total_steps) == (0.25, 0.15, 0.8, 6)
+
+
+def test_a_float_field_takes_inf_and_yaml_11_exponents_from_set_and_files_and_refuses_nan_naming_it(tmp_path):
+    from tasks.data import resolve
+
+    config = resolve("tiny_cpu", set="rollout.max_rollout_logprob_gap=inf trainer.lr=1e-6")
+    assert (config.max_rollout_logprob_gap, config.lr) == (float("inf"), 1e-6)
+    assert config.rollout_gap_threshold == float("inf")
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer: {lr: 3e-6}\nrollout: {max_rollout_logprob_gap: .inf}\n")
+    config = resolve("tiny_cpu", config_file=str(path))
+    assert (config.max_rollout_logprob_gap, config.lr) == (float("inf"), 3e-6)
+    for value in ("nan", ".nan", "NaN"):
+        with pytest.raises(ConfigError, match=r"rollout\.max_rollout_logprob_gap=.*nan is not"):
+            resolve("tiny_cpu", set=f"rollout.max_rollout_logprob_gap={value}")
+    with pytest.raises(ConfigError, match=r"trainer\.lr='fast': must be float"):
+        resolve("tiny_cpu", set="trainer.lr=fast")
+
+
+def test_every_set_example_in_the_readme_builds_a_config():
+    import re
+    from pathlib import Path
+
+    from dapo.config import flat_overrides, parse_assignments
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    examples = re.findall(r"--set\s+(?:'([^']*)'|([^\s`'\\]+))", readme)
+    assert len(examples) >= 5, examples
+    for quoted, bare in examples:  # a ConfigError names the example's field
+        DAPOConfig.preset("tiny_cpu", flat_overrides(parse_assignments(quoted or bare)))
 
 
 def test_every_field_is_in_one_section_has_help_and_the_command_line_lists_it():
@@ -177,12 +207,14 @@ def test_a_yaml_written_by_the_command_line_reads_back_as_the_same_config(tmp_pa
     import subprocess
     import sys
 
-    from tasks.data import resolve
+    from dapo.config import flat_overrides, read_config_file
 
     text = subprocess.run([sys.executable, "-m", "dapo", "config", "--preset", "paper_32b", "--yaml", "--set", "algorithm.clip_high=0.3"],
                           capture_output=True, text=True, check=True).stdout
     (tmp_path / "run.yaml").write_text(text)
-    assert resolve("tiny_cpu", config_file=str(tmp_path / "run.yaml")) == DAPOConfig.paper_32b().replace(clip_high=0.3)
+    # as resolve_config reads it (which then also pins the hub model's commit, from the hub)
+    read_back = DAPOConfig.preset("tiny_cpu", flat_overrides(read_config_file(str(tmp_path / "run.yaml"))))
+    assert read_back == DAPOConfig.paper_32b().replace(clip_high=0.3)
 
 
 def test_the_step_config_is_a_type_without_the_runs_shape_or_pods():
