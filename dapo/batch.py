@@ -40,6 +40,7 @@ REWARD_FIELDS = [
     pa.field("overlong_penalty", pa.float32()),
     pa.field("format_score", pa.float32()),
     pa.field("unverified", pa.float32()),  # 1: the scorer (math-verify) gave no verdict (rewards.TaskScore)
+    pa.field("verdict_note", pa.string()),  # why there is no verdict ("" when there is one)
     pa.field("score_metrics", pa.map_(pa.string(), pa.float32())),  # the scorer's own metrics
 ]
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + REWARD_FIELDS)

@@ -40,7 +40,7 @@ from dapo.faults import crash_point
 from dapo.memory import breakdown_line, memory_breakdown
 from dapo.stages.generation import policy_engine, sample_batch
 from dapo.stages.guard import regenerate_batch
-from dapo.stages.training import is_bad_step, skips_update, step_metrics, train_on_batch
+from dapo.stages.training import is_bad_step, skips_update, step_metrics, stops_on_unverified, train_on_batch
 from dapo.trainer.launch import prune_step_dirs
 
 if TYPE_CHECKING:
@@ -179,8 +179,8 @@ def update_on_batch(config: DAPOConfig, trainer, batch: pa.Table, state, step: i
     metrics = step_metrics(config, batch, state)
     scratch = out_root / f"regenerate-{step}"
     regenerate = functools.partial(regenerate_on_trainer_weights, config, trainer, step=step, scratch_dir=scratch)
-    trained = not skips_update(config, batch, state, step) and train_on_batch(trainer, config, batch, step, metrics, regenerate,
-                                                                             str(scratch))
+    trained = (not stops_on_unverified(config, state, step, metrics) and not skips_update(config, batch, state, step)
+               and train_on_batch(trainer, config, batch, step, metrics, regenerate, str(scratch)))
     crash_point("policy_step", step)
     if not trained:
         metrics["step/skipped"] = 1.0
@@ -218,13 +218,14 @@ def finish_step(
         on_step(step, metrics)
     if stop:
         logger.error("step %d: the run stops after %d of %d steps of its chunk (%s)", step, done, n_steps,
-                     "the rollout guard" if metrics["guard/stopped"] else f"{config.max_bad_steps} bad steps in a row")
+                     "the rollout guard" if metrics["guard/stopped"] else "unverified verdicts" if metrics["reward/stopped"]
+                     else f"{config.max_bad_steps} bad steps in a row")
     return FinishedStep(stop, checkpointed)
 
 
 def stops_the_run(config: DAPOConfig, step_metrics: list[dict[str, float]]) -> bool:
-    """Whether the last of these steps ends the run: the rollout guard stopped it, or it is
-    the config.max_bad_steps-th bad step in a row."""
+    """Whether the last of these steps ends the run: the rollout guard or the unverified
+    verdicts stopped it, or it is the config.max_bad_steps-th bad step in a row."""
     if not step_metrics:
         return False
     trailing_bad = 0
@@ -232,7 +233,7 @@ def stops_the_run(config: DAPOConfig, step_metrics: list[dict[str, float]]) -> b
         if not is_bad_step(metrics):
             break
         trailing_bad += 1
-    return bool(step_metrics[-1]["guard/stopped"]) or trailing_bad >= config.max_bad_steps
+    return bool(step_metrics[-1]["guard/stopped"] or step_metrics[-1]["reward/stopped"]) or trailing_bad >= config.max_bad_steps
 
 
 def write_step_record(out_root: Path, step: int, metrics: dict[str, float]) -> None:

@@ -29,8 +29,11 @@ Verification order, cheapest first:
      ``if __name__ == "__main__":`` guard, a notebook or a pyflyte task all get math-verify.
 
 A verdict math-verify did not give (its time limit, an error in it, an answer too long for
-it) counts as wrong and is marked `unverified` (`judge_answer`); the pipeline counts those
-per step (train/unverified, val/unverified). Workers that cannot start at all raise
+it) counts as wrong and is marked `unverified` with the reason (`judge_answer`); the pipeline
+counts those per step (train/unverified, val/unverified, sampling/unverified_share) and stops a
+run whose share passes `max_unverified_share`. A worker that dies on a response (a crash in C,
+out of memory) is named at WARNING and the response scored once more in a new worker; a
+response that kills a second worker raises ScorerError. Workers that cannot start at all raise
 `VerifierUnavailable`: the reward never silently becomes an exact-match reward.
 
 Model text is never evaluated as code: only string operations here, and math-verify's
@@ -400,9 +403,9 @@ def _parse_gold(gold: str) -> list:
     return parse(gold, parsing_timeout=None)
 
 
-def _math_verify(gold: str, pred: str) -> bool | None:
+def _math_verify(gold: str, pred: str) -> bool | str:
     """math-verify's parse + verify of two ``$...$`` strings (its own timeouts off: they use
-    signal.alarm too); None when it raised (no verdict)."""
+    signal.alarm too); the exception's text when it raised (no verdict)."""
     from math_verify import parse, verify
 
     try:
@@ -410,8 +413,7 @@ def _math_verify(gold: str, pred: str) -> bool | None:
         pred_parsed = parse(pred, parsing_timeout=None)
         return bool(gold_parsed) and bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
     except Exception as error:
-        logger.debug("math-verify failed: no verdict (%r)", error)
-        return None
+        return f"{type(error).__name__}: {error}"[:300]
 
 
 def _in_worker(task, args: tuple, soft_deadline_s: float | None):
@@ -447,11 +449,13 @@ class _VerifierPool:
         self._unavailable: str | None = None  # why the workers cannot start, after _MAX_POOL_FAILURES
         self._stop_at_exit: multiprocessing.util.Finalize | None = None
 
-    def run(self, task, args: tuple, timeout_s: float):
-        """task(*args) in a worker within `timeout_s` seconds of work; None when it gave no
-        result (the time limit, a worker that died). `task` returns None for its own
-        failures. Raises VerifierUnavailable."""
+    def run(self, task, args: tuple, timeout_s: float, what: str):
+        """task(*args) in a worker within `timeout_s` seconds of work; None at the time limit.
+        A worker that dies on it (a crash in C, out of memory) is named at WARNING and the
+        task runs once more (the pool starts a new worker); a second death raises ScorerError.
+        `what` names the task in those messages. Raises VerifierUnavailable."""
         soft = timeout_s * _SOFT_DEADLINE_FRACTION if _SOFT_DEADLINE_FRACTION else None
+        deaths = 0
         while True:
             pool = self._running_pool()
             try:
@@ -463,6 +467,12 @@ class _VerifierPool:
                 return self._result(future, timeout_s)
             except _PoolBroken as broken:
                 self._discard(pool, str(broken))
+            except _WorkerDied as died:
+                deaths += 1
+                if deaths == _MAX_WORKER_DEATHS:
+                    raise ScorerError(f"{what} killed a verifier worker {deaths} times ({died}): no verdict is possible "
+                                      "for this response; fix the scorer (or raise DAPO_VERIFY_MAX_MEM_MB)") from None
+                logger.warning("%s killed its verifier worker (%s); scoring it once more in a new worker", what, died)
 
     def _running_pool(self) -> pebble.ProcessPool:
         """The current pool (new if need be). Raises VerifierUnavailable once given up."""
@@ -491,8 +501,7 @@ class _VerifierPool:
             logger.debug("verifier worker killed at the time limit: no verdict")
             return None
         except Exception as e:  # a worker that died (ProcessExpired: out of memory, a crash in C)
-            logger.debug("verifier worker died: no verdict (%r)", e)
-            return None
+            raise _WorkerDied(repr(e)) from e
         with self._lock:
             self._failures = 0
         return ok
@@ -515,6 +524,13 @@ class _VerifierPool:
 
 class _PoolBroken(Exception):
     """The pool's workers died or never took the task: the pool must be replaced."""
+
+
+class _WorkerDied(Exception):
+    """The worker running the task died (the pool replaces it)."""
+
+
+_MAX_WORKER_DEATHS = 2  # a response that kills this many workers stops the run
 
 
 def _stop_pool(pool: pebble.ProcessPool) -> None:
@@ -568,6 +584,8 @@ class Verdict:
     unverified: bool = False
     """True when math-verify was needed but gave no verdict (its time limit, an error in it,
     an answer longer than MAX_VERIFY_CHARS): counted as wrong, and counted (train/unverified)."""
+    note: str = ""
+    """Why there is no verdict (empty when there is one)."""
 
 
 def judge_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> Verdict:
@@ -597,10 +615,26 @@ def judge_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> Verdic
     if _PLAIN_NUMBER_RE.fullmatch(norm_pred) and _PLAIN_NUMBER_RE.fullmatch(norm_gold):
         return Verdict(False)  # canonical decimals: different strings are different numbers
     if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
-        logger.debug("answer too long for math-verify (%d chars): no verdict", len(pred))
-        return Verdict(False, unverified=True)
-    ok = _POOL.run(_math_verify, (_as_math_verify_latex(gold), _as_math_verify_latex(pred)), float(timeout_s))
-    return Verdict(False, unverified=True) if ok is None else Verdict(bool(ok))
+        return Verdict(False, unverified=True, note=f"answer of {max(len(pred), len(gold))} chars, over math-verify's {MAX_VERIFY_CHARS}")
+    ok = _POOL.run(_math_verify, (_as_math_verify_latex(gold), _as_math_verify_latex(pred)), float(timeout_s),
+                   f"math-verify on the answer {pred[:80]!r}")
+    if ok is None:
+        return Verdict(False, unverified=True, note=f"math-verify gave no verdict within {timeout_s:g} s")
+    if isinstance(ok, str):
+        _warn_once("math-verify raised on the answer %r (against %r): %s. Such answers count as wrong and in "
+                   "train/unverified; this message is shown once.", pred[:80], gold[:80], ok)
+        return Verdict(False, unverified=True, note=f"math-verify raised {ok}")
+    return Verdict(ok)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, *args: object) -> None:
+    """logger.warning(message, *args) the first time this message is given in the process."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message, *args)
 
 
 def verify_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> bool:
@@ -699,7 +733,7 @@ def dapo_math(response: str, ground_truth: str, extra_info: dict) -> dict[str, f
     with ŷ the answer on the last "Answer:" line (else the last \\boxed{}), equal to `a`
     after normalize_answer or by math-verify (judge_answer)."""
     verdict = judge_answer(response, ground_truth)
-    return {"score": 1.0 if verdict.correct else -1.0, "acc": float(verdict.correct), "unverified": float(verdict.unverified)}
+    return TaskScore(1.0 if verdict.correct else -1.0, float(verdict.correct), float(verdict.unverified), note=verdict.note)
 
 
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -753,10 +787,15 @@ class TaskScore:
     unverified: float = 0.0
     metrics: tuple[tuple[str, float], ...] = ()
     """The scorer's own named metrics (train/score/<name>, val/score/<name> in MLflow)."""
+    note: str = ""
+    """Why there is no verdict, when unverified."""
 
     @classmethod
     def of(cls, result: object, scorer: str) -> "TaskScore":
-        """A scorer's return value as a TaskScore; ScorerError when it is not a score."""
+        """A scorer's return value (a score, a dict of them, or a TaskScore) as a TaskScore;
+        ScorerError when it is not a score."""
+        if isinstance(result, TaskScore):
+            return result
         values = result if isinstance(result, Mapping) else {"score": result}
         if "score" not in values:
             raise ScorerError(f"scorer {scorer!r} returned a dict without 'score': {sorted(values)}")
@@ -768,12 +807,7 @@ class TaskScore:
         score = numbers.pop("score")
         acc = numbers.pop("acc", 1.0 if score > 0 else 0.0)
         unverified = numbers.pop("unverified", 0.0)
-        return cls(score, acc, unverified, tuple(sorted(numbers.items())))
-
-
-NO_VERDICT = TaskScore(score=-1.0, acc=0.0, unverified=1.0)
-"""A user's scorer that ran past its time limit (or whose worker died): DAPO's wrong
-answer, counted in train/unverified as math-verify's missing verdicts are."""
+        return cls(score, acc, unverified, tuple(sorted(numbers.items())), note=f"scorer {scorer!r} said unverified" if unverified else "")
 
 
 def _user_score_in_worker(spec: str, response: str, ground_truth: str, extra_info: dict) -> tuple[str, object]:
@@ -790,13 +824,14 @@ def _user_score_in_worker(spec: str, response: str, ground_truth: str, extra_inf
 def task_score(spec: str, response: str, ground_truth: str, extra_info: dict, timeout_s: float = 2.0) -> TaskScore:
     """R_task of one response by the scorer `spec` names (plugins.resolve). A registered
     scorer runs here; a user's ("module:function", "file.py:function") runs in a verifier
-    worker under the same time limit as math-verify (NO_VERDICT past it), so that a hung
+    worker under the same time limit as math-verify (no verdict past it: wrong and unverified), so that a hung
     or memory-hungry scorer cannot stall or kill the task. Raises ScorerError."""
     if not is_user_spec(spec):
         return TaskScore.of(resolve_plugin(spec, SCORERS, "scorer")(response, ground_truth, extra_info), spec)
-    outcome = _POOL.run(_user_score_in_worker, (spec, response, ground_truth, extra_info), timeout_s)
-    if outcome is None:
-        return NO_VERDICT
+    outcome = _POOL.run(_user_score_in_worker, (spec, response, ground_truth, extra_info), timeout_s,
+                        f"scorer {spec!r} on a response starting {response[:80]!r}")
+    if outcome is None:  # DAPO's wrong answer, counted in train/unverified as math-verify's missing verdicts are
+        return TaskScore(score=-1.0, acc=0.0, unverified=1.0, note=f"scorer {spec!r} gave no verdict within {timeout_s:g} s")
     status, value = outcome
     if status == "error":
         raise ScorerError(f"scorer {spec!r} failed on a response starting {response[:80]!r}:\n{value}")
@@ -821,7 +856,8 @@ def score_response(
     reward = R_task + R_length * overlong_factor + format_weight * format_score, with
     R_task from `scorer` (task_score; dapo_math: +1 / -1). `acc` (1.0 / 0.0) is what
     dynamic sampling filters on (std of acc within a group > 0); `unverified` (1.0 / 0.0)
-    marks a verdict the scorer did not give; `score_metrics` the scorer's own metrics.
+    marks a verdict the scorer did not give, `verdict_note` why; `score_metrics` the scorer's
+    own metrics.
     """
     task = task_score(scorer, text, ground_truth, extra_info or {}, timeout_s)
     penalty = overlong_penalty(response_length, max_len, buffer_len, overlong_factor)
@@ -833,6 +869,7 @@ def score_response(
         "overlong_penalty": penalty,
         "format_score": fmt,
         "unverified": task.unverified,
+        "verdict_note": task.note,
         "score_metrics": dict(task.metrics),
     }
 

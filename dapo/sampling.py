@@ -37,6 +37,9 @@ def informative_groups(
     return [gid for gid, lo, hi in zip(ordered_ids, lows.tolist(), highs.tolist()) if hi > lo]
 
 
+MAX_UNVERIFIED_NOTES = 3  # reasons kept for the message of a run stopped on unverified verdicts
+
+
 @dataclass
 class SamplingState:
     """Progress of one step's dynamic sampling, carried from round to round (as JSON
@@ -51,12 +54,19 @@ class SamplingState:
     rollout_seconds: float = 0.0
     reward_seconds: float = 0.0
     """Scoring's wall time over the rounds (the slowest shard's of each round)."""
+    scored_responses: int = 0
+    unverified_responses: int = 0
+    """Responses the scorer gave no verdict over the rounds (rewards.TaskScore.unverified)."""
+    unverified_notes: list[str] = dataclasses.field(default_factory=list)
+    """Why, for the first MAX_UNVERIFIED_NOTES of them."""
 
     def after_round(
         self, generated_groups: int, kept_groups: int, *, target_groups: int, max_rounds: int,
         rollout_tokens: float = 0.0, rollout_seconds: float = 0.0, reward_seconds: float = 0.0,
+        scored_responses: int = 0, unverified_notes: list[str] = (),
     ) -> "SamplingState":
-        """The state after one more round that generated and kept the given numbers of groups.
+        """The state after one more round that generated and kept the given numbers of groups
+        and scored `scored_responses`, of which len(unverified_notes) got no verdict.
 
         done when kept_groups >= target_groups (train_prompt_bsz) or when
         rounds >= max_rounds > 0 (max_num_gen_batches; 0 = no limit).
@@ -71,7 +81,15 @@ class SamplingState:
             rollout_tokens=self.rollout_tokens + rollout_tokens,
             rollout_seconds=self.rollout_seconds + rollout_seconds,
             reward_seconds=self.reward_seconds + reward_seconds,
+            scored_responses=self.scored_responses + scored_responses,
+            unverified_responses=self.unverified_responses + len(unverified_notes),
+            unverified_notes=(self.unverified_notes + list(unverified_notes))[:MAX_UNVERIFIED_NOTES],
         )
+
+    @property
+    def unverified_share(self) -> float:
+        """Responses without a verdict / responses scored over the rounds so far (0 before any)."""
+        return self.unverified_responses / self.scored_responses if self.scored_responses else 0.0
 
     @property
     def kept_ratio(self) -> float:

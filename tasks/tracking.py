@@ -145,6 +145,7 @@ def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, s
     state.bad_steps = training.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
     report_step(state, target_json, step, step_metrics)
     guard.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
+    training.check_verdicts(config, step_metrics, step - 1)
     return state.to_json()
 
 
@@ -165,6 +166,7 @@ def log_chunk(
     deliver(state, target_json, read_outbox(LoopState(outbox=outbox)) + steps)
     if step_metrics:
         guard.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
+        training.check_verdicts(config, step_metrics[-1], first_step + len(step_metrics) - 1)
     return state.to_json()
 
 

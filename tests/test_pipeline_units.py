@@ -128,6 +128,30 @@ def test_verdicts_math_verify_did_not_give_are_counted_and_shown_on_the_step_lin
     assert "unverified" not in step_line({"step": 3, "train/unverified": 0.0})
 
 
+def test_a_step_whose_unverified_share_passes_the_bound_trains_on_nothing_and_stops_the_run_after_its_metrics(tmp_path, caplog):
+    from dapo.stages.training import TooManyUnverified, check_verdicts
+
+    too_long = "Answer: " + "1+" * 600 + "1"
+    cfg = config(max_unverified_share=0.3, dynamic_sampling=False, train_prompt_bsz=2, on_short_batch="train")
+    scored = verify_rewards(cfg, rollout_table({"a": ["Answer: 12", too_long], "b": [too_long, "Answer: 7"]}), 0)
+    batch, state = filter_groups(cfg, scored, None, SamplingState(), {})
+    assert (state.scored_responses, state.unverified_responses, state.unverified_share) == (4, 2, 0.5)
+    assert len(state.unverified_notes) == 2 and "over math-verify's 1024" in state.unverified_notes[0]
+    assert SamplingState.from_json(state.to_json()) == state  # travels between tasks
+    source = tmp_path / "policy"
+    with checkpoint.atomic_dir(source, step=0) as scratch:
+        open(f"{scratch}/model.safetensors", "wb").write(b"weights")
+    metrics = policy_step(cfg, str(source), batch, state, 4, tmp_path / "next")  # trains on nothing: no trainer started
+    assert (metrics["reward/unverified_share"], metrics["reward/stopped"], metrics["step/skipped"]) == (0.5, 1.0, 1.0)
+    assert (tmp_path / "next" / "model.safetensors").read_bytes() == b"weights"  # the policy of the step before
+    assert "step 5: 50.0% of the responses scored got no verdict" in caplog.text and "response starting 'Answer: 1+1+" in caplog.text
+    with pytest.raises(TooManyUnverified, match=r"step 5: 50\.0% .*max_unverified_share 0\.3"):
+        check_verdicts(cfg, metrics, 4)
+    check_verdicts(cfg.replace(max_unverified_share=0.5), {**metrics, "reward/stopped": 0.0}, 4)  # at the bound: goes on
+    relaxed = policy_step(cfg.replace(max_unverified_share=1.0), str(source), batch.slice(0, 0), state, 4, tmp_path / "other")
+    assert relaxed["reward/stopped"] == 0.0
+
+
 def test_run_stops_after_max_bad_steps_in_a_row():
     bad = {"actor/nonfinite_updates": 4.0, "actor/num_updates": 0.0}
     good = {"actor/nonfinite_updates": 1.0, "actor/num_updates": 3.0}  # one refused, others applied: not bad

@@ -451,7 +451,7 @@ def test_score_response_correct_inside_buffer_with_format():
         overlong_factor=1.0,
         format_weight=0.5,
     )
-    assert set(out) == {"reward", "acc", "score", "overlong_penalty", "format_score", "unverified", "score_metrics"}
+    assert set(out) == {"reward", "acc", "score", "overlong_penalty", "format_score", "unverified", "verdict_note", "score_metrics"}
     assert out["acc"] == 1.0 and out["score"] == 1.0
     assert out["overlong_penalty"] == pytest.approx(-0.5)
     assert out["format_score"] == 1.0
@@ -469,7 +469,7 @@ def test_score_response_wrong_truncated_no_format():
         format_weight=1.0,
     )
     assert out == {"reward": -2.0, "acc": 0.0, "score": -1.0, "overlong_penalty": -1.0, "format_score": 0.0, "unverified": 0.0,
-                   "score_metrics": {}}
+                   "verdict_note": "", "score_metrics": {}}
 
 
 def test_score_response_paper_setting_ignores_format():
@@ -515,15 +515,34 @@ def test_a_verifier_whose_workers_cannot_start_raises_instead_of_degrading_to_ex
 def test_a_verdict_math_verify_did_not_give_counts_as_wrong_and_is_marked_unverified(monkeypatch):
     monkeypatch.setattr(rewards, "_SOFT_DEADLINE_FRACTION", None)  # only the hard kill stops it
     slow = "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$"
-    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == rewards.Verdict(correct=False, unverified=True)
+    no_verdict = rewards.Verdict(correct=False, unverified=True, note="math-verify gave no verdict within 0.3 s")
+    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == no_verdict
     monkeypatch.undo()
-    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == rewards.Verdict(correct=False, unverified=True)  # soft deadline
-    assert rewards.judge_answer("Answer: " + "1+" * 600 + "1", "5").unverified  # too long for math-verify
+    assert rewards.judge_answer(slow, "5", timeout_s=0.3) == no_verdict  # soft deadline
+    too_long = rewards.judge_answer("Answer: " + "1+" * 600 + "1", "5")
+    assert too_long.unverified and too_long.note == "answer of 1201 chars, over math-verify's 1024"
     assert rewards.judge_answer("Answer: 1/2", "0.5") == rewards.Verdict(correct=True, unverified=False)
     assert rewards.judge_answer("Answer: 3/4", "0.5") == rewards.Verdict(correct=False, unverified=False)
     assert rewards.judge_answer("no answer here", "0.5") == rewards.Verdict(correct=False, unverified=False)
     settings = {"max_len": 10, "buffer_len": 2, "overlong_factor": 1.0, "format_weight": 0.0}
     assert [s["unverified"] for s in score_responses([slow, "Answer: 5"], ["5", "5"], [4, 4], **settings)] == [1.0, 0.0]
+
+
+def test_a_math_verify_exception_is_unverified_with_its_message_shown_once_at_warning(monkeypatch, caplog):
+    import math_verify
+
+    def broken_verify(*args, **kwargs):
+        raise ValueError("sympy could not compare")
+
+    monkeypatch.setattr(math_verify, "verify", broken_verify)
+    assert rewards._math_verify("$1/2$", "$0.5$") == "ValueError: sympy could not compare"  # as the worker returns it
+    monkeypatch.setattr(rewards._POOL, "run", lambda task, args, timeout_s, what: rewards._math_verify(*args))
+    monkeypatch.setattr(rewards, "_warned", set())
+    verdicts = [rewards.judge_answer(f"Answer: {p}", "0.5") for p in ("1/2", "2/4", "3/6")]
+    assert verdicts[0] == rewards.Verdict(False, unverified=True, note="math-verify raised ValueError: sympy could not compare")
+    assert all(v.unverified and not v.correct for v in verdicts)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "math-verify raised" in r.getMessage()]
+    assert len(warnings) == 1 and "'1/2'" in warnings[0].getMessage() and "sympy could not compare" in warnings[0].getMessage()
 
 
 UNGUARDED_SCRIPT = r"""

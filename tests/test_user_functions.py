@@ -63,6 +63,24 @@ def test_a_scorer_past_its_time_limit_counts_as_wrong_and_unverified(tmp_path):
     spec = scorer_file(tmp_path, "    time.sleep(60)\n    return 1.0\n")
     scores = rewards.score_responses(["a", "Answer: 1"], ["1", "1"], [3, 3], scorers=[spec, "dapo_math"], timeout_s=0.5, **SETTINGS)
     assert [(s["score"], s["acc"], s["unverified"]) for s in scores] == [(-1.0, 0.0, 1.0), (1.0, 1.0, 0.0)]
+    assert scores[0]["verdict_note"] == f"scorer {spec!r} gave no verdict within 0.5 s"
+
+
+def test_a_scorer_that_kills_its_worker_is_named_and_retried_once_and_a_second_death_stops_the_step(tmp_path, caplog):
+    marker = tmp_path / "died-once"
+    once = scorer_file(tmp_path, f"    if not os.path.exists({str(marker)!r}):\n        open({str(marker)!r}, 'w').close()\n"
+                                 "        os._exit(9)  # as a crash in C or the OOM killer would\n    return 1.0\n")
+    scores = rewards.score_responses(["Answer: 1"], ["1"], [3], scorers=[once], **SETTINGS)
+    assert [(s["score"], s["unverified"]) for s in scores] == [(1.0, 0.0)]  # scored in a new worker, not unverified
+    deaths = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "killed its verifier worker" in r.getMessage()]
+    assert len(deaths) == 1 and once in deaths[0] and "'Answer: 1'" in deaths[0]
+
+    (tmp_path / "always").mkdir()
+    always = scorer_file(tmp_path / "always", "    os._exit(9)\n")
+    with pytest.raises(rewards.ScorerError, match="killed a verifier worker 2 times") as raised:
+        rewards.score_responses(["Answer: 2"], ["2"], [3], scorers=[always], **SETTINGS)
+    assert always in str(raised.value) and "'Answer: 2'" in str(raised.value)
+    assert rewards.score_responses(["Answer: 3"], ["3"], [3], **SETTINGS)[0]["acc"] == 1.0  # the pool goes on working
 
 
 def rollout_rows(sources: list[str]) -> pa.Table:

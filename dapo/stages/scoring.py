@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dapo.batch import REWARD_FIELDS
 from dapo.config import StepConfig
@@ -59,6 +60,7 @@ def filter_groups(
         max_rounds=config.max_num_gen_batches if config.dynamic_sampling else 1,  # without dynamic sampling one round is the batch
         rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0), rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
         reward_seconds=rollout_metrics.get("reward/seconds", 0.0),
+        scored_responses=scored.num_rows, unverified_notes=unverified_notes(scored),
     )
     if state.done:
         batch = first_groups(batch, config.train_prompt_bsz)
@@ -73,6 +75,12 @@ def kept_groups(config: StepConfig, scored: pa.Table) -> pa.Table:
     group_ids = scored.column("group_id").to_pylist()
     keep = set(informative_groups(scored.column(config.filter_metric).to_pylist(), group_ids))
     return scored.filter(pa.array([g in keep for g in group_ids], type=pa.bool_()))
+
+
+def unverified_notes(scored: pa.Table) -> list[str]:
+    """Why each response without a verdict has none, with the response's start."""
+    rows = scored.filter(pc.greater(scored.column("unverified"), 0)).select(["verdict_note", "response_text"]).to_pylist()
+    return [f"{row['verdict_note'] or 'no verdict'} (response starting {row['response_text'][:60]!r})" for row in rows]
 
 
 def first_groups(table: pa.Table, n_groups: int) -> pa.Table:

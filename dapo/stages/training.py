@@ -45,7 +45,7 @@ def policy_step(
     metrics = step_metrics(config, batch, state)
     if config.off_policy_steps:  # the schedule of dapo_loop's DAG: step t samples from checkpoint t - 1 (step 0 from 0)
         metrics["off_policy/staleness"] = float(min(step, config.off_policy_steps))
-    if skips_update(config, batch, state, step):
+    if stops_on_unverified(config, state, step, metrics) or skips_update(config, batch, state, step):
         crash_point("policy_step", step)  # the kill tests reach this task on either path
         return skip()
     if regenerate == "default":
@@ -79,7 +79,37 @@ def step_metrics(config: StepConfig, batch: pa.Table, state: SamplingState) -> d
         "guard/threshold": config.rollout_gap_threshold,
         "guard/regenerated": 0.0,
         "guard/stopped": 0.0,
+        "reward/unverified_share": state.unverified_share,
+        "reward/stopped": 0.0,
     }
+
+
+def stops_on_unverified(config: StepConfig, state: SamplingState, step: int, metrics: dict[str, float]) -> bool:
+    """Whether the share of the step's scored responses without a verdict passes
+    config.max_unverified_share: then the step trains on nothing, reward/stopped = 1, and
+    `check_verdicts` stops the run after the metrics reach MLflow. Logs the first reasons."""
+    if state.unverified_share <= config.max_unverified_share:
+        return False
+    metrics["reward/stopped"] = 1.0
+    logger.error("%s; the first reasons: %s", unverified_message(config, metrics, step), "; ".join(state.unverified_notes))
+    return True
+
+
+class TooManyUnverified(RuntimeError):
+    """Too many of a step's responses got no verdict from their scorer for its rewards to be trusted."""
+
+
+def unverified_message(config: StepConfig, metrics: dict[str, float], step: int) -> str:
+    return (f"step {step + 1}: {metrics['reward/unverified_share']:.1%} of the responses scored got no verdict "
+            f"(max_unverified_share {config.max_unverified_share:g}), so their rewards are not trusted and the run stops "
+            "with the policy of the step before")
+
+
+def check_verdicts(config: StepConfig, step_metrics: dict[str, float], step: int) -> None:
+    """Raise TooManyUnverified when the step stopped on unverified verdicts (after the
+    metrics are delivered: the caller logs them first)."""
+    if step_metrics.get("reward/stopped", 0.0) > 0:
+        raise TooManyUnverified(unverified_message(config, step_metrics, step) + " (the first reasons are in the step's log)")
 
 
 def skips_update(config: StepConfig, batch: pa.Table, state: SamplingState, step: int) -> bool:
