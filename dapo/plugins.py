@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -86,15 +87,35 @@ def check_named_functions(config) -> None:
 
 
 def user_code_digest(config) -> str:
-    """sha256 of the source files of the user's functions the config names ("" when it
-    names none): resolve_config puts it in the step config, so that cached steps follow
-    the code of a reward or loss edited since, not only its name."""
+    """sha256 of the code of the user's functions the config names ("" when it names none):
+    every .py file under each function's directory (helpers it imports beside it) and the
+    data files its module lists in DAPO_DATA_FILES (paths relative to that directory).
+    resolve_config puts it in the step config, so that cached steps follow the code of a
+    reward or loss edited since, not only its name."""
     specs = sorted({spec for _, spec, _ in named_functions(config) if is_user_spec(spec)})
     if not specs:
         return ""
     digest = hashlib.sha256()
     for spec in specs:
         where = spec.rpartition(":")[0]
-        path = where if where.endswith(".py") else importlib.util.find_spec(where).origin
-        digest.update(spec.encode() + Path(path).read_bytes())
+        path = Path(where if where.endswith(".py") else importlib.util.find_spec(where).origin).resolve()
+        module = sys.modules[load_user_function(spec).__module__]
+        data_files = [path.parent / name for name in getattr(module, "DAPO_DATA_FILES", ())]
+        digest.update(spec.encode())
+        for file in sorted(set(user_code_files(path)) | set(data_files)):
+            digest.update(str(file.relative_to(path.parent) if file.is_relative_to(path.parent) else file).encode())
+            digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def user_code_files(path: Path) -> list[Path]:
+    """The .py files under the directory of a user's file `path`: that file alone when it lies
+    directly in site-packages; hidden directories, virtual environments and caches skipped."""
+    if path.parent.name in ("site-packages", "dist-packages"):
+        return [path]
+    files = []
+    for folder, subfolders, names in os.walk(path.parent):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "__pycache__"))
+                               and not (Path(folder) / d / "pyvenv.cfg").exists() and d not in ("site-packages", "node_modules"))
+        files += [Path(folder) / name for name in names if name.endswith(".py")]
+    return files

@@ -197,6 +197,27 @@ def test_the_step_config_carries_a_digest_of_the_users_functions_so_cached_steps
     assert resolve("tiny_cpu", set=f"reward.reward_fn={spec}").user_code_digest != first
 
 
+def test_the_digest_follows_a_helper_beside_the_scorer_and_the_data_files_it_declares_not_caches_or_venvs(tmp_path):
+    from tasks.data import resolve
+
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "parse.py").write_text("def answer(text):\n    return text.strip()\n")
+    (tmp_path / "answers.json").write_text('{"1": 1}')
+    path = tmp_path / "scorer.py"
+    path.write_text("import json, os\nDAPO_DATA_FILES = ['answers.json']\n\n\ndef score(response, ground_truth, extra_info):\n    return 1.0\n")
+    digest = lambda: resolve("tiny_cpu", set=f"reward.reward_fn={path}:score").user_code_digest  # noqa: E731
+    first = digest()
+    for ignored in (tmp_path / "__pycache__" / "parse.cpython-311.py", tmp_path / ".venv" / "lib" / "x.py"):
+        ignored.parent.mkdir(parents=True)
+        ignored.write_text("changed = True\n")
+    assert digest() == first  # caches and environments are not the scorer's code
+    (tmp_path / "helpers" / "parse.py").write_text("def answer(text):\n    return text\n")
+    second = digest()
+    assert second != first
+    (tmp_path / "answers.json").write_text('{"1": 2}')
+    assert digest() not in (first, second)
+
+
 # --- end to end -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_users_reward_and_loss_run_through_dapo_loop_from_one_file_each_plus_config(tmp_path_factory):
