@@ -44,6 +44,7 @@ import torch
 
 from dapo.config import DAPOConfig
 from dapo.trainer.base import STATE_DIR, PolicyTrainer
+from dapo.trainer.comm_op import ensure_comm_op, use_cpu_accelerator_without_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +85,14 @@ def init_distributed() -> None:
     into os.environ: every process started later from this one (the next run, a test's
     subprocess) would inherit that MASTER_PORT, and it may be taken by then (EADDRINUSE).
     """
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"  # read when DeepSpeed picks its accelerator
+    use_cpu_accelerator_without_gpus()
     os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine takes its device from it, only from there
     import deepspeed
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
+    ensure_comm_op()  # before DeepSpeed's own load of it, which waits forever on a killed build's lock
     if "WORLD_SIZE" in os.environ:
         deepspeed.init_distributed()
     else:
