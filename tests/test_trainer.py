@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -363,3 +364,35 @@ def test_zero3_sync_gathers_parameters_in_buckets_of_their_whole_size():
     buckets = [[name for name, _ in bucket] for bucket in parameter_buckets(params, bucket_bytes=4 * 30)]
     assert buckets == [["p0", "p1"], ["p2"], ["p3"], ["p4"], ["p5"]]  # 40 + 25 > 30, a 40 alone
     assert [n for b in parameter_buckets(params, bucket_bytes=2**30) for n, _ in b] == [n for n, _ in params]
+
+
+class PlantedPayload:
+    """What an attacker with write access to the object store could put in a state file."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PLANTED_MARKER']}",))
+
+
+@pytest.mark.deepspeed
+def test_a_planted_pickle_in_the_optimizer_state_is_refused_naming_the_file_and_never_runs(deepspeed_run, tmp_path, monkeypatch):
+    from dapo.trainer.deepspeed_backend import CheckpointRefused
+
+    planted = tmp_path / "planted"
+    shutil.copytree(deepspeed_run["ckpt"], planted)
+    optim = next((planted / STATE_DIR).rglob("*optim_states.pt"))
+    state = torch.load(optim, weights_only=False)  # ours, as DeepSpeed wrote it
+    monkeypatch.setenv("PLANTED_MARKER", str(tmp_path / "it-ran"))
+    torch.save({**state, "extra": PlantedPayload()}, optim)
+    with pytest.raises(CheckpointRefused, match=f"{optim}: refused to load"):
+        make_trainer(deepspeed_run["config"], planted)
+    assert not (tmp_path / "it-ran").exists()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("zero_stage, dtype", [(1, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_deepspeeds_state_of_every_zero_stage_loads_with_weights_only(policy_dir, tmp_path, zero_stage, dtype):
+    config = make_config(trainer_backend="deepspeed", zero_stage=zero_stage, dtype=dtype)
+    with make_trainer(config, policy_dir) as trainer:
+        trainer.save(str(tmp_path / "ckpt"))
+    with make_trainer(config, str(tmp_path / "ckpt")) as resumed:
+        assert resumed.resumed

@@ -50,6 +50,37 @@ logger = logging.getLogger(__name__)
 
 DS_STATE_SUBDIR = "deepspeed"
 DS_TAG = "state"
+DEEPSPEED_STATE_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""What DeepSpeed pickles beside tensors in its optimizer state (found in its ZeRO-1/2/3 files):
+the only classes `load_state_file` lets torch.load build."""
+
+
+class CheckpointRefused(RuntimeError):
+    """A state file that holds something other than tensors and DeepSpeed's state classes."""
+
+
+def load_state_file(path: str, map_location=None):
+    """torch.load of one of DeepSpeed's state files with weights_only=True: tensors, containers
+    and DEEPSPEED_STATE_CLASSES only, so that a file planted on the object store or the shared
+    volume cannot run code when a trainer resumes from it (DeepSpeed's own engine loads with
+    weights_only=False). CheckpointRefused names the file."""
+    import importlib
+    import pickle
+
+    classes = [getattr(importlib.import_module(module), name) for module, _, name in (c.rpartition(".") for c in DEEPSPEED_STATE_CLASSES)]
+    with torch.serialization.safe_globals(classes):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            reason = str(error).strip().splitlines()[0]
+            raise CheckpointRefused(f"{path}: refused to load: it holds more than tensors and DeepSpeed's state ({reason}). "
+                                    "dapo-flyte never writes such a file: it was changed after it was saved, or written by "
+                                    "another program") from None
 
 SYNC_BUCKET_BYTES = 512 * 2**20
 """Under ZeRO-3 the in-memory sync gathers parameters in buckets of about this many bytes:
@@ -201,6 +232,7 @@ class DeepSpeedTrainer(PolicyTrainer):
                     "universal checkpoint tools, or keep the number of training processes fixed)",
                     state_dir, self.state.world_size, self.world_size,
                 )
+            self.engine.checkpoint_engine.load = load_state_file  # instead of DeepSpeed's weights_only=False
             load_path, _ = self.engine.load_checkpoint(
                 str(state_dir),
                 tag=DS_TAG,
