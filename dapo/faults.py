@@ -1,21 +1,72 @@
-"""Fault injection for the reliability tests: a real SIGKILL at a named point.
+"""Which faults are transient, and fault injection for the reliability tests.
+
+`is_transient` says whether an exception is one a retry of the task may not meet again:
+the network or an object store dropping a connection, timing out or asking to slow down,
+an MLflow server unavailable. tasks.common.task_entry raises those as flytekit's
+FlyteRecoverableException, so that Flyte retries the task (its task_retries); everything
+else (a bad config or data row, a scorer's exception, a rollout mismatch) is
+non-recoverable: retrying would only fail again.
 
 DAPO_CRASH_AT="<point>@<step>" (e.g. "checkpoint_commit@2") kills the process with
-SIGKILL when execution reaches that point at that step. Unset (always, outside the
-tests) it does nothing.
+SIGKILL when execution reaches that point at that step; DAPO_TRANSIENT_AT="<point>@<step>"
+raises a transient object-store error there, in a Flyte task's first attempt only
+(FLYTE_ATTEMPT_NUMBER 0). Unset (always, outside the tests) they do nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 CRASH_ENV = "DAPO_CRASH_AT"
+TRANSIENT_ENV = "DAPO_TRANSIENT_AT"
 POINTS = ("rollout", "policy_step", "checkpoint_commit")
+
+TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN}
+TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed",
+                      "Throttling", "ThrottlingException", "503", "500"}
+TRANSIENT_CLASS_NAMES = {
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",  # botocore
+    "ServerDisconnectedError", "ClientConnectionError", "ClientOSError", "ClientPayloadError",  # aiohttp (s3fs, gcsfs)
+    "ConnectError", "ReadTimeout", "ConnectTimeout", "RemoteProtocolError",  # httpx
+    "ConnectionError", "Timeout", "ChunkedEncodingError",  # requests (MLflow's client), whose classes are not the builtins
+}
+"""Transient by their class's name, so that this module imports none of those libraries."""
+MLFLOW_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}  # INTERNAL_ERROR is also its default: not a sign
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from, is a network or object-store fault
+    that a retry may not meet again (see the module docstring)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _transient_itself(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _transient_itself(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS:
+        return True
+    if any(cls.__name__ in TRANSIENT_CLASS_NAMES for cls in type(error).__mro__):
+        return True
+    response = getattr(error, "response", None)  # botocore's ClientError
+    if isinstance(response, dict) and str(response.get("Error", {}).get("Code", "")) in TRANSIENT_S3_CODES:
+        return True
+    return type(error).__name__ == "MlflowException" and str(getattr(error, "error_code", "")) in MLFLOW_TRANSIENT_CODES
 
 
 def crash_point(point: str, step: int | None) -> None:
-    """SIGKILL this process if DAPO_CRASH_AT names this point and step."""
+    """SIGKILL this process if DAPO_CRASH_AT names this point and step; raise a transient
+    object-store error if DAPO_TRANSIENT_AT does and this is a task's first attempt."""
     wanted = os.environ.get(CRASH_ENV, "")
     if wanted and wanted == f"{point}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(TRANSIENT_ENV, "") == f"{point}@{step}" and os.environ.get("FLYTE_ATTEMPT_NUMBER", "0") == "0":
+        raise ConnectionResetError(errno.ECONNRESET, f"the object store reset the connection ({TRANSIENT_ENV}={point}@{step})")

@@ -13,11 +13,13 @@ from typing import Annotated
 from flytekit import Cache, FlyteContextManager, Resources, current_context
 from flytekit.core.hash import HashMethod
 from flytekit.deck import DeckField
+from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig, StepConfig, section_values
+from dapo.faults import is_transient
 from dapo.logs import configure_logging
 
 # Bump a version when the task's code changes what it computes: cached results of the
@@ -149,12 +151,19 @@ def cpu_settings(config: DAPOConfig, cpu: int = 1, mem_gib: int = 4) -> dict:
 def task_entry(function):
     """A task's body as the start of the process that runs it (its pod; locally the pyflyte
     process, at its first task): logging is configured there (dapo.logs), before the task's
-    code and the libraries it imports log anything."""
+    code and the libraries it imports log anything. A transient fault (dapo.faults.is_transient)
+    leaves it as FlyteRecoverableException, which Flyte retries (task_retries); flytekit
+    writes any other exception of task code as non-recoverable, which fails the node at once."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
         configure_logging()
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if is_transient(error):
+                raise FlyteRecoverableException(f"transient, a retry may succeed: {type(error).__name__}: {error}") from error
+            raise
 
     return run
 

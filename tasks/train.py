@@ -102,6 +102,9 @@ class ElasticTaskResolver(TrackedInstance, TaskResolverMixin):
 elastic_resolver = ElasticTaskResolver()
 
 
+ELASTIC_RESTARTS = 1
+
+
 def elastic_task(name: str, nnodes: int, nproc_per_node: int) -> PythonTask:
     """policy_step or colocated_chunk as a torch-elastic task: nproc_per_node processes
     (GPUs) on each of nnodes pods; a plain pod for one node, a PyTorchJob
@@ -109,12 +112,16 @@ def elastic_task(name: str, nnodes: int, nproc_per_node: int) -> PythonTask:
 
     increase_shared_mem=False: the GPU pod templates already mount /dev/shm. More than one
     node runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir.
+    max_restarts=ELASTIC_RESTARTS: a worker that NCCL's watchdog aborts (a hung collective,
+    a flaky link) dies by a signal that no `except` sees, so task_entry cannot call it
+    transient; torchrun restarts the worker group once instead (a step restarts from its
+    input checkpoint, a chunk after its last record), a deterministic error then fails again.
     """
     function, settings = ELASTIC_TASKS[name]
     template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 else GPU_POD_TEMPLATE_NAME
     elastic = task(
         function,
-        task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False),
+        task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False, max_restarts=ELASTIC_RESTARTS),
         **settings(nproc_per_node, template),
     )
     # Set after construction: a task made inside a dynamic workflow (train_chunk) takes the

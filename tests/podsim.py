@@ -18,10 +18,12 @@ Propeller    a small flytepropeller: runs nodes in dependency order; a task node
              As in propeller, nodes run as soon as their inputs are ready, side by side
              (the ready nodes of a workflow, the indices of an ArrayNode), at most
              `parallelism` pods at a time. Propeller's semantics:
-             - retries: a node's attempts are its compiled retries + 1; a pod that dies
-               (no error.pb: killed, evicted) or writes a RECOVERABLE error is retried, a
-               NON_RECOVERABLE one (any exception of the task's code, as flytekit writes
-               it) fails the node at once;
+             - retries: a pod that dies (no error.pb: killed, evicted) or writes a
+               RECOVERABLE error is retried, a NON_RECOVERABLE one (an exception of the
+               task's code, as flytekit writes it, unless tasks.common.task_entry raised it
+               as recoverable) fails the node at once; user failures count against the
+               node's retries, SYSTEM ones (an eviction, flytekit's own errors) against
+               propeller's max-node-retries-system-failures;
              - timeouts: a node's timeout bounds each attempt (a retryable failure), and
                twice it bounds all its attempts together ("task active timeout expired");
                `seconds_per_minute` compresses them for the tests;
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -400,6 +403,11 @@ class Propeller:
     faults: dict[str, list[str]] = field(default_factory=dict)
     default_disk_limit: int = 0
     """The namespace LimitRange's default ephemeral-storage limit, for pods that set none."""
+    max_system_failures: int = 3
+    """Propeller's max-node-retries-system-failures (its default): retries of a node whose pod
+    failed for the platform (evicted, a SYSTEM error of flytekit's), beside the node's own
+    retries, which count its user failures (a recoverable error of the task's code, a pod
+    killed or timed out)."""
 
     def __post_init__(self):
         self._slots = threading.Semaphore(self.parallelism)
@@ -497,7 +505,8 @@ class Propeller:
         attempt_s = limits.timeout_s / 60 * self.seconds_per_minute
         active_deadline = time.monotonic() + 2 * attempt_s if attempt_s else float("inf")
         disk_limit = ephemeral_storage_limit(template, compiled_node) or self.default_disk_limit
-        for attempt in range(limits.retries + 1):
+        user_failures = system_failures = 0
+        for attempt in itertools.count():
             attempt_prefix = prefix if attempt == 0 else prefix / f"attempt-{attempt}"
             deadline = min(time.monotonic() + attempt_s, active_deadline) if attempt_s else 0.0
             pod = self.run_pod(node, template, inputs, attempt_prefix, extra_env=extra_env, workers=workers, attempt=attempt,
@@ -508,9 +517,17 @@ class Propeller:
                 raise PodFailed(pod, f"task active timeout [{limits.timeout_s * 2:g}s] expired")
             if not pod.retryable:
                 raise PodFailed(pod, pod.error)
-        else:
-            attempts = limits.retries + 1
-            raise PodFailed(pod, f"[{attempts}/{attempts}] currentAttempt done. Last Error: {pod.error}")
+            # Two budgets (propeller's node executor): system failures count against its
+            # max-node-retries-system-failures, user ones against the node's retries.
+            if pod.error.startswith("SYSTEM::"):
+                system_failures += 1
+                if system_failures > self.max_system_failures:
+                    raise PodFailed(pod, f"[{system_failures}/{self.max_system_failures + 1}] system failures. Last Error: {pod.error}")
+            else:
+                user_failures += 1
+                if user_failures > limits.retries:
+                    attempts = limits.retries + 1
+                    raise PodFailed(pod, f"[{attempts}/{attempts}] currentAttempt done. Last Error: {pod.error}")
         prefix = pod.prefix
         if (prefix / "futures.pb").exists():
             size = (prefix / "futures.pb").stat().st_size

@@ -497,10 +497,63 @@ def test_all_attempts_together_end_at_twice_the_timeout(sim, cluster, tmp_path):
     assert [(p.attempt, p.ended_by) for p in propeller.pods] == [(0, "timeout"), (1, "timeout")]
 
 
-def test_a_pod_that_outgrows_its_ephemeral_storage_is_evicted(sim, cluster, tmp_path):
+def test_a_pod_that_outgrows_its_ephemeral_storage_is_evicted_and_retried_as_a_system_failure(sim, cluster, tmp_path):
+    """An eviction is the platform's failure: retried under propeller's system-failure budget
+    (1 here), although the node has no retries of its own."""
     template, inputs, node = one_task_node(sim, "resolve_config", disk="64Ki")
-    propeller = bare_propeller(cluster)
-    with pytest.raises(podsim.PodFailed, match="evicted: ephemeral local storage usage"):
+    propeller = bare_propeller(cluster, max_system_failures=1)
+    with pytest.raises(podsim.PodFailed, match=r"\[2/2\] system failures\. Last Error: SYSTEM::Pod was evicted: ephemeral local storage usage"):
         propeller.run_task_node("too-big", template, inputs, tmp_path / "too-big", compiled_node=node)
-    (pod,) = propeller.pods
-    assert pod.ended_by == "evicted" and pod.disk_limit == 64 * 1024 < pod.disk_peak
+    assert [(pod.attempt, pod.ended_by) for pod in propeller.pods] == [(0, "evicted"), (1, "evicted")]
+    assert all(pod.disk_limit == 64 * 1024 < pod.disk_peak for pod in propeller.pods)
+
+
+def checkpoint_hash(outputs: literals_pb2.LiteralMap) -> str:
+    """The content hash a step's output checkpoint carries (its cache key downstream)."""
+    (policy,) = [literal for literal in outputs.literals.values() if literal.hash]
+    return policy.hash
+
+
+def test_a_transient_fault_in_a_policy_step_is_retried_and_the_retry_writes_the_same_checkpoint(sim, cluster, tmp_path):
+    """The first attempt's code meets a connection reset by the object store (dapo.faults'
+    DAPO_TRANSIENT_AT): task_entry raises it as recoverable, the node's one retry runs it again."""
+    template, inputs, node = one_task_node(sim, "policy_step", retries=1)
+    propeller = bare_propeller(cluster)
+    outputs = propeller.run_task_node("transient", template, inputs, tmp_path / "transient", compiled_node=node,
+                                      extra_env={"DAPO_TRANSIENT_AT": "policy_step@0"})
+    first, retry = propeller.pods
+    assert first.failed and first.retryable and first.error.startswith("USER::")
+    assert "error=transient, a retry may succeed: ConnectionResetError: [Errno 104] the object store reset the connection" in first.error
+    assert (retry.attempt, retry.failed) == (1, False)
+    original = podsim._read(literals_pb2.LiteralMap, pods_of(sim, "policy_step")[0].prefix / "outputs.pb")
+    assert checkpoint_hash(outputs) == checkpoint_hash(original)  # the same weights as the run without the fault
+
+
+def test_a_bad_data_row_fails_at_once_whatever_the_retries(sim, cluster, tmp_path, s3):
+    import pyarrow.parquet as pq
+
+    from dapo.config import DAPOConfig
+    from dapo.stages import setup
+    from servers import BUCKET, s3_client
+
+    table = pq.read_table(cluster["root"] / "data" / setup.TRAIN_FILE)
+    bad = table.set_column(table.schema.get_field_index("prompt"), "prompt", pa_column_with_first_empty(table.column("prompt")))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    s3_client(s3).upload_file(str(tmp_path / "bad.parquet"), BUCKET, "data/bad.parquet")
+    config = DAPOConfig.preset("tiny_cpu", {**SMALL, "train_data_path": f"s3://{BUCKET}/data/bad.parquet",
+                                             "val_data_path": cluster["data"]["val_data"]}).section("data")
+    template, _, node = one_task_node(sim, "prepare_data", retries=2)
+    propeller = bare_propeller(cluster)
+    with pytest.raises(podsim.PodFailed, match="DataError") as failed:
+        propeller.run_task_node("bad-row", template, literals_pb2.LiteralMap(literals={"config": config_literal(config)}),
+                                tmp_path / "bad-row", compiled_node=node)
+    assert [pod.attempt for pod in propeller.pods] == [0]  # non-recoverable: its 2 retries are not used
+    assert "row 0" in str(failed.value) and not failed.value.pod.retryable
+
+
+def pa_column_with_first_empty(column):
+    import pyarrow as pa
+
+    values = column.to_pylist()
+    empty = "" if isinstance(values[0], str) else type(values[0])()
+    return pa.array([empty] + values[1:], type=column.type)

@@ -86,18 +86,21 @@ def test_an_unreadable_data_uri_is_named():
         prepare_data(config=DAPOConfig(train_data_path="memory://bucket/missing.parquet", val_data_path="memory://bucket/v.parquet"))
 
 
-def test_the_paper_preset_asks_for_its_data_before_any_work():
+def test_the_paper_preset_asks_for_its_data_before_any_work(monkeypatch):
     import pytest
 
     from dapo.config import ConfigError
+    from dapo.stages import setup
     from tasks.data import resolve_config
 
+    monkeypatch.setattr(setup, "hub_commit", lambda name, revision: "c" * 40)  # no hub here (test_model_source reads a cache)
     with pytest.raises(ConfigError, match="--train_data"):
         resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="", steps_per_chunk=0)
     config, step_config, data_config, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
                                                          train_data="s3://b/dapo.parquet", val_data="s3://b/aime.parquet",
                                                          steps_per_chunk=0)
     assert config.train_data_path == data_config.train_data_path == step_config.train_data_path == "s3://b/dapo.parquet"
+    assert config.model_revision == "c" * 40 and config.model_size_billions == 32.8  # pinned; the preset's size kept
 
 
 def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_algorithm():
@@ -197,3 +200,71 @@ def test_a_local_echo_passes_its_input_literal_on_so_a_cached_consumer_hits_on_t
 
     assert echoed(n=3) == 3 and echoed(n=3) == 3
     assert consumed == [3]  # the second run's consume came from the cache
+
+
+# --- transient faults are retried, deterministic ones are not -----------------------------
+def transient_and_deterministic_errors():
+    import errno
+
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UNAVAILABLE
+    from requests.exceptions import ConnectionError as RequestsConnectionError
+
+    from dapo.config import ConfigError
+    from dapo.data import DataError
+    from dapo.rewards import ScorerError
+    from dapo.stages.guard import RolloutMismatch
+
+    def chained(outer: Exception, cause: Exception) -> Exception:
+        try:
+            raise outer from cause
+        except Exception as error:
+            return error
+
+    def s3_error(code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": code}}, "PutObject")
+
+    transient = [
+        ConnectionResetError(errno.ECONNRESET, "reset"), TimeoutError("read timed out"), OSError(errno.ETIMEDOUT, "timed out"),
+        EndpointConnectionError(endpoint_url="http://minio:9000"), ReadTimeoutError(endpoint_url="http://minio:9000"),
+        s3_error("SlowDown"), s3_error("ServiceUnavailable"), MlflowException("down", error_code=TEMPORARILY_UNAVAILABLE),
+        chained(MlflowException("API request to /api/2.0/mlflow/runs/log-batch failed"), RequestsConnectionError("refused")),
+        chained(RuntimeError("uploading the checkpoint failed"), ConnectionResetError("reset")),
+    ]
+    deterministic = [
+        ConfigError("algorithm.clip_high=-1"), DataError("row 3"), ScorerError("scorer 'x' failed"), RolloutMismatch("gap"),
+        KeyError("prompt"), ValueError("bad"), FileNotFoundError(errno.ENOENT, "no such checkpoint"), s3_error("NoSuchKey"),
+        s3_error("AccessDenied"), MlflowException("bad", error_code=INVALID_PARAMETER_VALUE), MlflowException("no code"),
+        chained(RuntimeError("scoring failed"), ScorerError("x")),
+    ]
+    return transient, deterministic
+
+
+def test_network_and_object_store_faults_are_transient_and_mistakes_are_not():
+    from dapo.faults import is_transient
+
+    transient, deterministic = transient_and_deterministic_errors()
+    assert [type(e).__name__ for e in transient if not is_transient(e)] == []
+    assert [type(e).__name__ for e in deterministic if is_transient(e)] == []
+
+
+def test_a_task_raises_a_transient_fault_as_recoverable_and_anything_else_as_it_was():
+    import pytest
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from tasks.common import task_entry
+
+    transient, deterministic = transient_and_deterministic_errors()
+    for error in transient + deterministic:
+        @task_entry
+        def body():
+            raise error
+
+        with pytest.raises(Exception) as raised:
+            body()
+        if error in transient:
+            assert isinstance(raised.value, FlyteRecoverableException) and raised.value.__cause__ is error
+            assert "error=transient, a retry may succeed: " in str(raised.value)
+        else:
+            assert raised.value is error
