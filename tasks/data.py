@@ -41,15 +41,15 @@ def resolve(
     overrides = {**flat_overrides(overrides), **flat_overrides(from_json), **flat_overrides(parse_assignments(set))}
     explicit = {"total_steps": total_steps, "train_data_path": train_data, "val_data_path": val_data, "steps_per_chunk": steps_per_chunk}
     overrides.update({name: value for name, value in explicit.items() if value})
-    config = setup.resolve_sources(DAPOConfig.preset(preset, overrides))
-    check_named_functions(config)
-    config = config.replace(user_code_digest=user_code_digest(config))
+    config = DAPOConfig.preset(preset, overrides)
     if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
         raise ConfigError(
             f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
             "(verl-format parquet files, as URIs the cluster can read, e.g. s3://bucket/dapo-math-17k.parquet)"
         )
-    return config
+    check_named_functions(config)
+    config = setup.resolve_sources(config)  # reads the data spec and the model's headers (a hub model: from the hub)
+    return config.replace(user_code_digest=user_code_digest(config))
 
 
 # Not cached: what it reads besides its inputs (a config file, the user's functions) may
