@@ -63,7 +63,7 @@ def test_a_start_killed_inside_torchs_build_lock_does_not_hang_the_next_one(exte
     deepspeeds_own = start(env, tmp_path / "own.log", "from deepspeed.accelerator import get_accelerator\n"
                                                      "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
     with pytest.raises(subprocess.TimeoutExpired):
-        deepspeeds_own.wait(timeout=20)
+        deepspeeds_own.wait(timeout=8)
     os.killpg(deepspeeds_own.pid, signal.SIGKILL)
     deepspeeds_own.wait()
 

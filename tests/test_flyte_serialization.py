@@ -214,7 +214,7 @@ def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_
     assert names == ["colocated_chunk_elastic", "log_chunk", "evaluate", "register_model"]
     template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk_elastic"))
     assert template.type == "pytorch" and template.custom["workerReplicas"]["replicas"] == 16
-    assert template.custom["elasticConfig"] == {"rdzvBackend": "c10d", "minReplicas": 16, "maxReplicas": 16, "nprocPerNode": 8}
+    assert template.custom["elasticConfig"] == {"rdzvBackend": "c10d", "minReplicas": 16, "maxReplicas": 16, "nprocPerNode": 8, "maxRestarts": 1}
     assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu-shared"
     assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
     args = template.container.args
@@ -264,7 +264,7 @@ def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
     assert template.type == "pytorch"  # the PyTorchJob plugin (training-operator)
     assert template.custom["workerReplicas"]["replicas"] == nnodes
     assert template.custom["elasticConfig"] == {
-        "rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": nnodes, "nprocPerNode": nproc,
+        "rdzvBackend": "c10d", "minReplicas": nnodes, "maxReplicas": nnodes, "nprocPerNode": nproc, "maxRestarts": 1,  # an NCCL abort: one in-pod restart
     }
     # the template that mounts the ReadWriteMany volume at the preset's trainer_shared_dir
     assert requests_of(template)["gpu"] == str(nproc) and template.metadata.pod_template_name == "dapo-gpu-shared"
