@@ -49,6 +49,11 @@ def is_gguf_source(model_path: str) -> bool:
     return model_path.startswith(PACKAGE_PREFIX) or model_path.lower().endswith(GGUF_SUFFIX)
 
 
+def is_local_gguf(model_path: str) -> bool:
+    """Whether model_path names a GGUF file on this machine (a path or pkg:), not a URI."""
+    return is_gguf_source(model_path) and "://" not in model_path
+
+
 def locate_gguf(model_path: str) -> Path:
     """The local GGUF file model_path names; ModelSourceError when there is none.
 
@@ -164,12 +169,11 @@ def convert_gguf(path: Path, out_dir: str | Path) -> dict[str, float]:
 def model_digest(model_path: str) -> str:
     """What resolve_config stores in model.model_digest: gguf_digest of a local GGUF source
     (after checking it), "" for other sources (a directory's or hub name's contents are not hashed)."""
-    if not is_gguf_source(model_path) or "://" in model_path:
+    if not is_local_gguf(model_path):
         return ""
     path = locate_gguf(model_path)
     gguf_architecture(path)
     return gguf_digest(path)
-
 
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -203,7 +207,7 @@ def parameter_count(model_path: str, revision: str = "") -> int:
     else the safetensors headers of a directory (local or a URI fsspec reads, e.g. s3://) or of
     a hub model (its cached snapshot, else the hub's own header reader). A tensor stored once
     for two names (tied embeddings) counts once, as the checkpoint holds it."""
-    if is_gguf_source(model_path) and "://" not in model_path:
+    if is_local_gguf(model_path):
         from gguf import GGUFReader
 
         return int(sum(int(t.n_elements) for t in GGUFReader(str(locate_gguf(model_path))).tensors))

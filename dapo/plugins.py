@@ -92,14 +92,13 @@ def user_code_digest(config) -> str:
     data files its module lists in DAPO_DATA_FILES (paths relative to that directory).
     resolve_config puts it in the step config, so that cached steps follow the code of a
     reward or loss edited since, not only its name."""
-    specs = sorted({spec for _, spec, _ in named_functions(config) if is_user_spec(spec)})
+    specs = sorted({(spec, kind) for _, spec, kind in named_functions(config) if is_user_spec(spec)})
     if not specs:
         return ""
     digest = hashlib.sha256()
-    for spec in specs:
-        where = spec.rpartition(":")[0]
-        path = Path(where if where.endswith(".py") else importlib.util.find_spec(where).origin).resolve()
-        module = sys.modules[load_user_function(spec).__module__]
+    for spec, kind in specs:
+        module = sys.modules[load_user_function(spec, kind).__module__]  # as check_named_functions loaded it
+        path = Path(module.__file__).resolve()
         data_files = [path.parent / name for name in getattr(module, "DAPO_DATA_FILES", ())]
         digest.update(spec.encode())
         for file in sorted(set(user_code_files(path)) | set(data_files)):

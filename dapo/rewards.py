@@ -30,7 +30,7 @@ Verification order, cheapest first:
 
 A verdict math-verify did not give (its time limit, an error in it, an answer too long for
 it) counts as wrong and is marked `unverified` with the reason (`judge_answer`); the pipeline
-counts those per step (train/unverified, val/unverified, sampling/unverified_share) and stops a
+counts those per step (train/unverified, val/unverified, reward/unverified_share) and stops a
 run whose share passes `max_unverified_share`. A worker that dies on a response (a crash in C,
 out of memory) is named at WARNING and the response scored once more in a new worker; a
 response that kills a second worker raises ScorerError. Workers that cannot start at all raise

@@ -530,6 +530,7 @@ def test_a_transient_fault_in_a_policy_step_is_retried_and_the_retry_writes_the_
 
 
 def test_a_bad_data_row_fails_at_once_whatever_the_retries(sim, cluster, tmp_path, s3):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from dapo.config import DAPOConfig
@@ -537,7 +538,9 @@ def test_a_bad_data_row_fails_at_once_whatever_the_retries(sim, cluster, tmp_pat
     from servers import BUCKET, s3_client
 
     table = pq.read_table(cluster["root"] / "data" / setup.TRAIN_FILE)
-    bad = table.set_column(table.schema.get_field_index("prompt"), "prompt", pa_column_with_first_empty(table.column("prompt")))
+    prompts = table.column("prompt")
+    bad = table.set_column(table.schema.get_field_index("prompt"), "prompt",
+                           pa.array([[]] + prompts.to_pylist()[1:], type=prompts.type))  # row 0: an empty chat
     pq.write_table(bad, tmp_path / "bad.parquet")
     s3_client(s3).upload_file(str(tmp_path / "bad.parquet"), BUCKET, "data/bad.parquet")
     config = DAPOConfig.preset("tiny_cpu", {**SMALL, "train_data_path": f"s3://{BUCKET}/data/bad.parquet",
@@ -549,11 +552,3 @@ def test_a_bad_data_row_fails_at_once_whatever_the_retries(sim, cluster, tmp_pat
                                 tmp_path / "bad-row", compiled_node=node)
     assert [pod.attempt for pod in propeller.pods] == [0]  # non-recoverable: its 2 retries are not used
     assert "row 0" in str(failed.value) and not failed.value.pod.retryable
-
-
-def pa_column_with_first_empty(column):
-    import pyarrow as pa
-
-    values = column.to_pylist()
-    empty = "" if isinstance(values[0], str) else type(values[0])()
-    return pa.array([empty] + values[1:], type=column.type)
