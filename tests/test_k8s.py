@@ -539,6 +539,7 @@ def test_mlflow_server_uses_postgres_s3_serves_artifacts_and_authenticates():
     c = dep["spec"]["template"]["spec"]["containers"][0]
     cmd = " ".join((c.get("command") or []) + (c.get("args") or []))
     assert "exec mlflow server --app-name=basic-auth" in cmd
+    assert "default_permission = NO_PERMISSIONS" in cmd  # people read what they were granted (k8s/README.md)
     assert "--serve-artifacts" in cmd and "--artifacts-destination" in cmd and "--backend-store-uri" in cmd
     assert {s["secretRef"]["name"] for s in c["envFrom"] if "secretRef" in s} == {"mlflow-s3", "mlflow-auth"}
     env = {e["name"]: e for e in c["env"]}
@@ -548,6 +549,7 @@ def test_mlflow_server_uses_postgres_s3_serves_artifacts_and_authenticates():
     # The host name the pipeline uses must pass MLflow's host-header check.
     allowed = cfg["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
     assert "mlflow.mlflow.svc.cluster.local:5000" in allowed
+    assert not [host for host in allowed if "*" in host], "name the service's hosts, not whole address ranges"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from dapo import tracking
 from servers import BUCKET, free_port, s3_client, serve, start_mlflow, stop
@@ -245,11 +246,12 @@ def mlflow_server_script() -> str:
 
 
 @pytest.mark.slow
-def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipelines_user(tmp_path, monkeypatch):
+def test_the_clusters_mlflow_server_takes_the_pipelines_user_and_shows_people_only_what_they_were_granted(tmp_path, monkeypatch):
     """The manifest's own start script (basic-auth app, admin from the Secret's variables,
     the user store beside the tracking store) run here: the pipeline's user, created as
     k8s/README.md says, delivers with MLFLOW_TRACKING_USERNAME/PASSWORD (what the pod
-    templates take from Secret dapo-mlflow-auth); without them every record is kept."""
+    templates take from Secret dapo-mlflow-auth); without them every record is kept. A
+    person reads the pipeline's experiment and model after k8s/README.md's grant, not before."""
     port = free_port()
     env = {**os.environ, "HOME": str(tmp_path), "MLFLOW_PORT": str(port), "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "MLFLOW_ARTIFACTS_DESTINATION": str(tmp_path / "artifacts"), "MLFLOW_AUTH_ADMIN_USERNAME": "admin",
@@ -274,8 +276,38 @@ def test_the_clusters_mlflow_server_refuses_anonymous_clients_and_takes_the_pipe
         assert deliver(target, records) == []
         run = tracking.Tracker(target).find_run()
         assert run.data.params["lr"] == "1e-06" and run.data.metrics["acc"] == 0.5
+        client_for(target).create_registered_model("auth-policy", tags={tracking.MANAGED_TAG: "true"})  # as register() does
+
+        # default_permission NO_PERMISSIONS: a person sees the pipeline's experiment and model only once granted READ
+        def reader_gets(path: str, **params) -> int:
+            return requests.get(f"{uri}/api/2.0/mlflow/{path}", params=params, auth=("alice", "alice-password-0"), timeout=30).status_code
+
+        names = '"alice", "<her password>", "dapo", "dapo-policy"'
+        assert names in readme_grant_script()
+        script = readme_grant_script().replace(names, '"alice", "alice-password-0", "dapo-test", "auth-policy"').splitlines()
+        as_admin = {**admin, "MLFLOW_TRACKING_URI": uri}
+        experiment_id = run.info.experiment_id
+
+        def as_admin_run(code: str) -> None:
+            done = subprocess.run([sys.executable, "-c", code], env=as_admin, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        as_admin_run("\n".join(line for line in script if "grant_user_permission(" not in line))  # the user alone
+        assert reader_gets("experiments/get", experiment_id=experiment_id) == 403
+        assert reader_gets("registered-models/get", name="auth-policy") == 403
+        as_admin_run("\n".join(line for line in script if "create_user(" not in line))
+        assert reader_gets("experiments/get", experiment_id=experiment_id) == 200
+        assert reader_gets("registered-models/get", name="auth-policy") == 200
+        assert reader_gets("experiments/get", experiment_id="0") == 403  # nothing else
     finally:
         stop(server)
+
+
+def readme_grant_script() -> str:
+    """The Python that k8s/README.md's READ grant runs (its heredoc)."""
+    text = (Path(__file__).parent.parent / "k8s/README.md").read_text()
+    block = next(b for b in text.split("```bash")[1:] if "grant_user_permission" in b)
+    return block.split("<<'EOF'\n", 1)[1].split("\nEOF", 1)[0]
 
 
 @pytest.mark.slow
