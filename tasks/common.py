@@ -1,4 +1,4 @@
-"""What every DAPO task shares: cache versions, the checkpoint type, pod settings."""
+"""What every DAPO task shares: caching, the checkpoint type, pod settings."""
 
 from __future__ import annotations
 
@@ -18,23 +18,10 @@ from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import checkpoint
+from dapo.code_version import source_version
 from dapo.config import DAPOConfig, StepConfig, section_values
 from dapo.faults import is_transient
 from dapo.logs import configure_logging
-
-# Bump a version when the task's code changes what it computes: cached results of the
-# old code are then not reused. One place, so a reviewer sees them all.
-CACHE_VERSIONS = {
-    "prepare_data": "2",  # 2: each row's whole extra_info (extra_info_json), for the scorers
-    "bootstrap_policy": "1",
-    "rollout": "4",  # 4: data_source and extra_info columns
-    "verify_rewards": "4",  # 4: scorers by name (the score column, the scorer's own metrics)
-    "filter_groups": "3",  # 3: unnamed outputs (keep_batch is an echo task)
-    "policy_step": "3",  # 3: rollout guard
-    "colocated_chunk": "2",  # 2: scorers by name; vLLM's colocated settings reach the engine
-    "evaluate": "4",  # 4: scorers by name
-    "track": "3",  # 3: fixed-size loop state, servable-only versions, step-config run key
-}
 
 GPU_POD_TEMPLATE_NAME = "dapo-gpu"
 """k8s/20-flyte-podtemplates.yaml: GPU-node selector, nvidia.com/gpu toleration and a
@@ -168,8 +155,10 @@ def task_entry(function):
     return run
 
 
-def cache(task_name: str) -> Cache:
-    return Cache(version=CACHE_VERSIONS[task_name])
+def cache(module: str) -> Cache:
+    """Caching for the tasks of `module` (their __name__): the version follows the project
+    source they run (dapo.code_version), so code changed since never serves old results."""
+    return Cache(version=source_version(module))
 
 
 def _directory_hash(directory: FlyteDirectory) -> str:

@@ -69,7 +69,7 @@ def resolve_config(
     return ResolvedConfig(config, config.step_config(), config.section("data"), config.section("model"))
 
 
-@task(cache=cache("prepare_data"), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
 @task_entry
 def prepare_data(config: DataConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
     """Validated, de-duplicated train and validation parquet files.
@@ -98,7 +98,7 @@ def local_copy(path: str, directory: bool = False) -> str:
     return target
 
 
-@task(cache=cache("bootstrap_policy"), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
+@task(cache=cache(__name__), container_image=TRAINER_IMAGE, requests=Resources(cpu="4", mem="16Gi"))
 @task_entry
 def bootstrap_policy(config: ModelConfig, embedded_task: str) -> Checkpoint:
     """The step-0 checkpoint: the embedded tiny policy (warm-started on embedded_task) or

@@ -20,7 +20,7 @@ would make an inline list larger than Flyte keeps in a node's outputs."""
 
 
 @task(
-    cache=cache("evaluate"),
+    cache=cache(__name__),
     container_image=ROLLOUT_IMAGE,
     **ROLLOUT_POD,
     **DECKS,

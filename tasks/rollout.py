@@ -21,7 +21,7 @@ branches of a round's conditional (sample_round, keep_round) return these."""
 
 
 @task(
-    cache=cache("rollout"),
+    cache=cache(__name__),
     container_image=ROLLOUT_IMAGE,
     **ROLLOUT_POD,
 )
@@ -41,14 +41,14 @@ def rollout(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: 
     return generation.with_rollout_metrics(table, metrics)
 
 
-@task(cache=cache("verify_rewards"), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="4", mem="8Gi"))
 @task_entry
 def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Table:
     """Rule-based rewards: correctness, soft overlong penalty, soft format reward."""
     return generation.timed_rewards(config, responses, step, generation.rollout_metrics_of(responses))
 
 
-@task(cache=cache("filter_groups"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def filter_groups(config: StepConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""

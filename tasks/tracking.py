@@ -115,7 +115,7 @@ def execution_name() -> str:
     return current_context().execution_id.name
 
 
-@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 @task_entry
 def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
     "Tracking", [("target_json", str), ("loop_state", str)]
@@ -137,7 +137,7 @@ def report_step(state: LoopState, target_json: str, step: int, step_metrics: dic
     deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
 
 
-@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
@@ -149,7 +149,7 @@ def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, s
     return state.to_json()
 
 
-@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_chunk(
     config: StepConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
@@ -170,7 +170,7 @@ def log_chunk(
     return state.to_json()
 
 
-@task(cache=cache("track"), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
+@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
 @task_entry
 def register_model(
     target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: pa.Table, model_name: str

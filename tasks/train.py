@@ -32,7 +32,7 @@ StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics"
 
 def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
     """Task settings of a trainer pod (one training process per GPU)."""
-    return {"cache": cache("policy_step"), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
+    return {"cache": cache(__name__), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
 
 
 def step_output_dir(config: StepConfig, step: int, input_dir: str) -> str:
@@ -199,7 +199,7 @@ def link_or_copy(source: str, target: str) -> None:
 
 def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
     """Task settings of a colocated chunk's pod: the GPU image (vLLM and DeepSpeed), the trainer's share per GPU."""
-    return {"cache": cache("colocated_chunk"), "container_image": GPU_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
+    return {"cache": cache(__name__), "container_image": GPU_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
             **DECKS}
 
 

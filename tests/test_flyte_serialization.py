@@ -14,7 +14,8 @@ import workflows.dapo as dapo_workflow
 from dapo.config import DAPOConfig
 from dapo.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
-from tasks import common, data, evaluate, rollout, tracking, train
+from dapo.code_version import source_version
+from tasks import data, evaluate, rollout, tracking, train
 
 SETTINGS = SerializationSettings(
     image_config=ImageConfig(default_image=Image(name="default", fqn="registry.example/default", tag="v1")),
@@ -55,13 +56,14 @@ def test_cpu_tasks_use_the_light_image_and_no_gpu(name):
     assert template.container.image.startswith(CPU_IMAGE.image_name().split(":")[0])
 
 
-@pytest.mark.parametrize("name", sorted(common.CACHE_VERSIONS))
-def test_every_cached_task_has_its_explicit_version(name):
+@pytest.mark.parametrize("name", ["prepare_data", "bootstrap_policy", "rollout", "verify_rewards", "filter_groups", "policy_step",
+                                  "colocated_chunk", "evaluate", "track"])
+def test_every_cached_task_has_the_version_of_the_source_it_runs(name):
     tasks = {**GPU_TASKS, **CPU_TASKS, "bootstrap_policy": data.bootstrap_policy, "track": tracking.start_tracking,
              "rollout": rollout.rollout}
     template = serialize(tasks[name]).template
     assert template.metadata.discoverable is True
-    assert template.metadata.discovery_version == common.CACHE_VERSIONS[name]
+    assert template.metadata.discovery_version == source_version(tasks[name].task_function.__module__)
 
 
 def test_rollout_batches_are_structured_datasets_and_checkpoints_directories():
@@ -174,7 +176,7 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     assert evaluate_node.metadata.timeout == datetime.timedelta(minutes=config.stage_timeout_minutes)
     template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk"))
     assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu"
-    assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
+    assert template.metadata.discovery_version == source_version("tasks.train")
 
 
 def bound_policy(node) -> tuple[str, str]:
@@ -216,7 +218,7 @@ def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_
     assert template.type == "pytorch" and template.custom["workerReplicas"]["replicas"] == 16
     assert template.custom["elasticConfig"] == {"rdzvBackend": "c10d", "minReplicas": 16, "maxReplicas": 16, "nprocPerNode": 8, "maxRestarts": 1}
     assert template.container.image == GPU_IMAGE.image_name() and template.metadata.pod_template_name == "dapo-gpu-shared"
-    assert template.metadata.discovery_version == common.CACHE_VERSIONS["colocated_chunk"]
+    assert template.metadata.discovery_version == source_version("tasks.train")
     args = template.container.args
     loader = args[args.index("--resolver") + 1:]
     assert loader == ["tasks.train.elastic_resolver", "--", "colocated_chunk", "nnodes", "16", "nproc-per-node", "8"]
@@ -246,7 +248,7 @@ def test_generation_round_maps_rollout_and_rewards_over_shards_on_their_images()
     assert rollout_map.interface.inputs["step"].type.simple is not None  # bound (functools.partial)
     assert requests_of(rollout_map)["gpu"] == "1" and rollout_map.metadata.pod_template_name == "dapo-gpu"
     assert rollout_map.container.image.startswith(ROLLOUT_IMAGE.image_name().split(":")[0])
-    assert rollout_map.metadata.discovery_version == common.CACHE_VERSIONS["rollout"]
+    assert rollout_map.metadata.discovery_version == source_version("tasks.rollout")
     assert "gpu" not in requests_of(rewards_map)
     assert rewards_map.container.image.startswith(CPU_IMAGE.image_name().split(":")[0])
 
@@ -270,7 +272,7 @@ def test_multi_node_policy_step_is_a_pytorch_job(nnodes, nproc):
     assert requests_of(template)["gpu"] == str(nproc) and template.metadata.pod_template_name == "dapo-gpu-shared"
     assert config.trainer_shared_dir == "/mnt/dapo-shared"
     assert template.container.image.startswith(TRAINER_IMAGE.image_name().split(":")[0])
-    assert template.metadata.discovery_version == common.CACHE_VERSIONS["policy_step"]
+    assert template.metadata.discovery_version == source_version("tasks.train")
     assert template.k8s_pod is None  # no second /dev/shm: the pod template has one
     # the pod finds the task again from its shape (the tasks are made at run time)
     args = template.container.args
