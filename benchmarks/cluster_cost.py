@@ -129,7 +129,7 @@ def main() -> None:
     print(f"\nrun budget of paper_32b (dapo.run_budget: each timeout covers an attempt, twice it every attempt from "
           f"where a retry restarts; high end, {run_budget.HEADROOM}x headroom; a step of {run_budget.step_seconds(PAPER) / 60:.1f} min "
           f"unless measured_step_minutes says otherwise; steps_per_chunk {PAPER.steps_per_chunk}, val_every {PAPER.val_every}, "
-          f"{PAPER.task_retries} retries)")
+          f"{PAPER.task_retries} retries of its own and propeller's {run_budget.SYSTEM_RETRIES} after system failures)")
     for config in (PAPER, PAPER.replace(execution="per_stage")):
         print(f"\n{config.execution}:\n")
         print("\n".join(run_budget.budget_lines(config)))

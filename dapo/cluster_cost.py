@@ -190,7 +190,7 @@ def trainer_restart(model: Model, scenario: Scenario) -> tuple[float, float]:
     return (model.nodes + 1) * ckpt, seconds
 
 
-def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario, checkpoint_every: int = 10) -> StepCost:
+def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario, checkpoint_every: int = 5) -> StepCost:
     """One step's cost in mode; per_stage restarts every step whatever steps_per_chunk.
     Colocated saves a checkpoint every checkpoint_every steps and after the chunk's last."""
     if steps_per_chunk < 1:
@@ -245,7 +245,7 @@ class OverlapCost:
         return self.sync_step_s / self.off_step_s
 
 
-def one_step_off_cost(model: Model, scenario: Scenario, steps_per_chunk: int = 10, checkpoint_every: int = 10) -> OverlapCost:
+def one_step_off_cost(model: Model, scenario: Scenario, steps_per_chunk: int = 10, checkpoint_every: int = 5) -> OverlapCost:
     """One step off against synchronous colocated, per step, chunk overheads included in both.
     The split gives the trainer the fewest GPUs whose update is no longer than the rollout
     (the rollout keeps whole vLLM engines); the step is then the rollout's time plus the

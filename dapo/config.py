@@ -352,8 +352,10 @@ class TrainerConfig:
     """Training processes (one per GPU) on each node of the policy step."""
     trainer_shared_dir: str = ""
     """A directory every training node mounts (e.g. a ReadWriteMany volume) where a
-    multi-node policy step writes the checkpoint (each rank writes its optimizer shard);
-    required when trainer_nnodes > 1. "" = rank 0's task directory (one node)."""
+    multi-node policy step writes the checkpoint (each rank writes its optimizer shard) and
+    a colocated chunk its records, which a retried pod then resumes from; required when
+    trainer_nnodes > 1. "" = rank 0's task directory (one node; a retried pod starts its
+    chunk again)."""
     shared_checkpoints_kept: int = 2
     """Step checkpoints kept in trainer_shared_dir (the newest ones): each is uploaded to
     the object store as its task's output, so older copies on the volume only fill it
@@ -385,7 +387,8 @@ class RunConfig:
     colocated_checkpoint_every: int = 1
     """Colocated only: steps between the checkpoints a chunk records (always one after its
     last step). 1 = a killed chunk reruns no finished step; k writes 1/k as much (a save
-    is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps."""
+    is ~2% of a local step, benchmarks/overhead.py) and reruns up to k - 1 steps. On a
+    cluster the records outlive a pod only on trainer_shared_dir."""
     extra: dict[str, str] = field(default_factory=dict)
     """Free-form tags of the run, set as MLflow run tags (not used by the algorithm)."""
 
@@ -772,8 +775,10 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         in verl: each chunk of steps is one PyTorchJob over all 16 x 8 GPUs, each GPU a
         ZeRO-3 DeepSpeed rank and one of the 4 ranks of a vLLM engine (32 engines, 48 of
         the round's 1536 prompts each), rollout and training taking turns on the same GPUs;
-        a record checkpoint every 10 steps on a volume every node mounts (at ~0.5 TB each,
-        one a step would cost ~6% of a step: benchmarks/cluster_cost.py). per_stage runs
+        a record checkpoint every 5 steps on a volume every node mounts (at ~0.5 TB each,
+        one a step would cost ~6% of a step: benchmarks/cluster_cost.py; every 10, a chunk's
+        worst-case retries, 2 of its own and propeller's 3 after system failures, would not
+        fit its 36 h deadline: dapo.run_budget). per_stage runs
         the same steps as 32 rollout pods of 4 GPUs and a 16 x 8 policy-step job a step.
         No format reward, to stay faithful.
         The data has no default: pass DAPO-Math-17k and the validation set as URIs
@@ -783,7 +788,8 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         and the engines: ~2.5 h at 32B): the restarts are 3-11% of the run
         (benchmarks/cluster_cost.py). Each task is retried twice; a chunk's attempt may run
         36 h (50 steps of ~31 min, verl's recipe on 128 GPUs, and its restarts), any other
-        task's 5 h (a per_stage policy step's restarts and transfers): the run budget
+        task's 10 h (a per_stage policy step's restarts and transfers, ~2.7 h, six times
+        over with propeller's 3 retries after system failures): the run budget
         (dapo.run_budget) holds them to the work they cover.
         """
         return cls(
@@ -794,14 +800,14 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             zero_stage=3,
             max_tokens_per_micro_batch=2048 + 20480,  # one longest row a GPU, as verl's recipe (actor_ppo_max_token_len)
             execution="colocated",
-            colocated_checkpoint_every=10,
+            colocated_checkpoint_every=5,
             tensor_parallel_size=4,
             rollout_shards=32,
             trainer_nnodes=16,
             trainer_nproc_per_node=8,
             trainer_shared_dir="/mnt/dapo-shared",
             task_retries=2,
-            stage_timeout_minutes=300,
+            stage_timeout_minutes=600,
             steps_per_chunk=50,
             val_every=50,
             chunk_timeout_minutes=36 * 60,
@@ -814,7 +820,10 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         mini-batch, lr 1e-6, clip 0.2 / 0.28, c = 10, 200 steps, validated every 10),
         colocated: one DeepSpeed ZeRO-3 job over the 8 GPUs, each 4 of them one vLLM engine.
         verl runs it on 8 nodes; on one, a step takes ~53 min by the cost model
-        (dapo.run_budget), a 10-step chunk ~12 h: its attempts may run 15 h.
+        (dapo.run_budget), a 10-step chunk ~10 h: its attempts may run 15 h. A record every
+        2 steps on the ReadWriteMany volume of dapo-gpu-shared (trainer_shared_dir), so that
+        a retried pod (2 retries of its own, propeller's 3 after system failures) goes on
+        from it within the chunk's deadline rather than starting the chunk again.
         Qwen2.5-7B rather than verl's Qwen2.5-Math-7B, whose 4,096 positions verl stretches
         to 32,768 by an override we do not offer: give that model as a directory whose
         config.json says so. Dynamic sampling as the paper (verl's 7B script has none).
@@ -831,10 +840,11 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             zero_stage=3,
             max_tokens_per_micro_batch=2 * (2048 + 8192),  # verl's actor_ppo_max_token_len
             execution="colocated",
-            colocated_checkpoint_every=5,
+            colocated_checkpoint_every=2,
             tensor_parallel_size=4,
             rollout_shards=2,
             trainer_nproc_per_node=8,
+            trainer_shared_dir="/mnt/dapo-shared",
             task_retries=2,
             stage_timeout_minutes=120,
             chunk_timeout_minutes=15 * 60,

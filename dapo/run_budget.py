@@ -4,9 +4,13 @@ Flyte gives a task node two limits (flytepropeller, pkg/compiler/transformers/k8
 its timeout bounds each attempt (the node's execution deadline), and twice its timeout
 bounds the node from when it was first queued, every retry included (its active deadline).
 So a timeout must cover one attempt's work, and twice it the first attempt and every
-retry, each retry starting where its task restarts: a colocated chunk from its last record
-checkpoint, every other task from the beginning (the worst case, which the budget prices:
-each attempt fails just before it would have ended).
+retry, each retry starting where its task restarts: a colocated chunk with trainer_shared_dir from
+its last record checkpoint (on that volume), every other task, a chunk without it
+included (its records are on the lost pod's disk), from the beginning. Retries come
+in two kinds under the one deadline: the task's own (task_retries, for the faults its code
+calls transient) and propeller's after a system failure (a lost node, an eviction), up to
+SYSTEM_RETRIES. The budget prices the worst case: every retry of both kinds, each attempt
+failing just before it would have ended.
 
 Work is priced by the cost model (dapo.cluster_cost) at its high end (fsspec's 120 MiB/s
 per client, cold engine starts), a step's compute from measured_step_minutes or the
@@ -26,6 +30,10 @@ from dapo.schedule import chunk_ranges
 HEADROOM = 1.2
 """Timeouts must exceed the priced work by this factor."""
 
+SYSTEM_RETRIES = 3
+"""Propeller's retries of a node after system failures (node-config.max-node-retries-system-failures
+in k8s/flyte-binary-values.yaml, Flyte's default), counted apart from task_retries."""
+
 
 @dataclass(frozen=True)
 class TaskBudget:
@@ -40,13 +48,14 @@ class TaskBudget:
     retry_s: float
     """A retry's work, from where the task restarts."""
     retries: int
+    """The task's own retries (task_retries); SYSTEM_RETRIES come on top."""
     work: str
     """What the attempt is made of, for the messages."""
 
     @property
     def all_attempts_s(self) -> float:
-        """The first attempt and every retry, each failing just before it would have ended."""
-        return self.attempt_s + self.retries * self.retry_s
+        """The first attempt and every retry of both kinds, each failing just before it would have ended."""
+        return self.attempt_s + (self.retries + SYSTEM_RETRIES) * self.retry_s
 
     @property
     def needed_minutes(self) -> int:
@@ -59,7 +68,7 @@ class TaskBudget:
             return ""
         return (f"cluster.{self.timeout_field}={self.timeout_minutes}: {self.task} needs ~{self.attempt_s / 60:,.0f} min an "
                 f"attempt ({self.work}) and ~{self.all_attempts_s / 60:,.0f} min with its "
-                f"{self.retries} retries, which Flyte ends at twice the timeout; with {HEADROOM}x headroom set "
+                f"{self.retries} retries and propeller's {SYSTEM_RETRIES} after system failures, which Flyte ends at twice the timeout; with {HEADROOM}x headroom set "
                 f"{self.timeout_field} >= {self.needed_minutes}")
 
 
@@ -111,9 +120,12 @@ def task_budgets(config: DAPOConfig) -> list[TaskBudget]:
             return trainer_restart + engine_start + n * per_step + (math.ceil(n / every) - 1) * record
 
         field = "chunk_timeout_minutes" if config.chunk_timeout_minutes else "stage_timeout_minutes"
+        # records on trainer_shared_dir outlive a pod; without it they are on the lost pod's disk
+        redone = min(every, steps) if config.trainer_shared_dir else steps
+        resumes = f"a retry resumes from its last record, <= {redone} steps back" if redone < steps else "a retry starts it again"
         budgets.append(budget(
             "a colocated chunk", chunk(steps), f"{steps} steps of {per_step / 60:.1f} min (steps_per_chunk, val_every) + {restarts}; "
-            f"a retry resumes from its last record, <= {min(every, steps)} steps back", retry_s=chunk(min(every, steps)), field=field,
+            + resumes, retry_s=chunk(redone), field=field,
         ))
     else:
         update, generate = cost.UPDATE_SHARE * step, (1 - cost.UPDATE_SHARE) * step

@@ -112,9 +112,9 @@ def colocated_settings(config: DAPOConfig) -> dict:
     """A colocated chunk's pod (one per node), under chunk_timeout_minutes: the trainer's
     GPUs (one step off policy, the rollout process's too), CPUs and memory; disk for the
     input checkpoint, and its records (the newest checkpoint and the one being written)
-    unless they go to trainer_shared_dir (over several nodes, tasks.train.records_dir)."""
+    unless they go to trainer_shared_dir (tasks.train.records_dir)."""
     gpus = config.trainer_nproc_per_node + (config.tensor_parallel_size if config.off_policy_steps else 0)  # dapo.overlap's engine
-    copies = 1 if config.trainer_nnodes > 1 else 3
+    copies = 1 if config.trainer_shared_dir else 3
     return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
                          disk_bytes=copies * config.checkpoint_bytes,
                          timeout_minutes=config.chunk_timeout_minutes or config.stage_timeout_minutes)

@@ -105,20 +105,22 @@ elastic_resolver = ElasticTaskResolver()
 ELASTIC_RESTARTS = 1
 
 
-def elastic_task(name: str, nnodes: int, nproc_per_node: int) -> PythonTask:
+def elastic_task(name: str, nnodes: int, nproc_per_node: int, shared_volume: bool = False) -> PythonTask:
     """policy_step or colocated_chunk as a torch-elastic task: nproc_per_node processes
     (GPUs) on each of nnodes pods; a plain pod for one node, a PyTorchJob
     (training-operator) for more.
 
     increase_shared_mem=False: the GPU pod templates already mount /dev/shm. More than one
-    node runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir.
+    node, or one with shared_volume (a config's trainer_shared_dir: a chunk's records there
+    outlive its pod), runs on dapo-gpu-shared, which mounts the volume of trainer_shared_dir
+    (the pod that loads the task again by its name and shape needs no template).
     max_restarts=ELASTIC_RESTARTS: a worker that NCCL's watchdog aborts (a hung collective,
     a flaky link) dies by a signal that no `except` sees, so task_entry cannot call it
     transient; torchrun restarts the worker group once instead (a step restarts from its
     input checkpoint, a chunk after its last record), a deterministic error then fails again.
     """
     function, settings = ELASTIC_TASKS[name]
-    template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 else GPU_POD_TEMPLATE_NAME
+    template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 or shared_volume else GPU_POD_TEMPLATE_NAME
     elastic = task(
         function,
         task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False, max_restarts=ELASTIC_RESTARTS),
@@ -135,7 +137,7 @@ def policy_step_for(config: DAPOConfig) -> PythonTask:
     """policy_step for one training process, else the elastic step of the config's shape."""
     if config.trainer_world_size == 1:
         return policy_step
-    return elastic_task("policy_step", config.trainer_nnodes, config.trainer_nproc_per_node)
+    return elastic_task("policy_step", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir))
 
 
 ColocatedOutput = typing.NamedTuple(
@@ -149,13 +151,13 @@ def records_dir(config: StepConfig, policy: FlyteDirectory, first_step: int) -> 
     <root>/run-<run key>/chunk-<first step>-<input checkpoint's hash>. Its last step is not
     part of the name: the chunk run again (a retry, a resumed execution) finds its records,
     and so does the longer chunk that replaces a short last chunk when the run is extended,
-    which goes on after its newest record. The root is trainer_shared_dir/colocated for a
-    chunk over several nodes (the volume they all mount, dapo-gpu-shared: a retried pod
-    resumes there too), else ~/.flyte/dapo-colocated (one node; it outlives a killed local
-    run, not a pod)."""
+    which goes on after its newest record. The root is trainer_shared_dir/colocated where the
+    config has one (the volume of dapo-gpu-shared, which every node mounts: a retried pod
+    resumes there too), else ~/.flyte/dapo-colocated (it outlives a killed local run, not a
+    pod: a retry on a cluster starts the chunk again)."""
     source = policy.remote_source or policy.path
     key = hashlib.sha256(f"{source}|{first_step}".encode()).hexdigest()[:16]
-    if config.trainer_nnodes > 1:
+    if config.trainer_shared_dir:
         root = os.path.join(config.trainer_shared_dir, "colocated")
     else:
         root = os.path.join(os.path.expanduser("~"), ".flyte", "dapo-colocated")
@@ -264,4 +266,4 @@ def colocated_chunk_for(config: DAPOConfig) -> PythonTask:
     """colocated_chunk for one process, else its elastic task of the config's trainer shape."""
     if config.trainer_world_size == 1:
         return colocated_chunk
-    return elastic_task("colocated_chunk", config.trainer_nnodes, config.trainer_nproc_per_node)
+    return elastic_task("colocated_chunk", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir))

@@ -62,6 +62,8 @@ from pathlib import Path
 
 from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 
+from dapo.run_budget import SYSTEM_RETRIES
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 EXECUTION = {"project": "dapo", "domain": "development"}
@@ -403,7 +405,7 @@ class Propeller:
     faults: dict[str, list[str]] = field(default_factory=dict)
     default_disk_limit: int = 0
     """The namespace LimitRange's default ephemeral-storage limit, for pods that set none."""
-    max_system_failures: int = 3
+    max_system_failures: int = SYSTEM_RETRIES
     """Propeller's max-node-retries-system-failures (its default): retries of a node whose pod
     failed for the platform (evicted, a SYSTEM error of flytekit's), beside the node's own
     retries, which count its user failures (a recoverable error of the task's code, a pod

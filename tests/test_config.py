@@ -67,7 +67,7 @@ def test_scale_out_knobs():
 
 def test_execution_mode_defaults_and_is_no_part_of_the_step_config():
     assert DAPOConfig().execution == DAPOConfig.tiny_cpu().execution == "per_stage"
-    assert DAPOConfig.paper_32b().execution == "colocated" and DAPOConfig.paper_32b().colocated_checkpoint_every == 10
+    assert DAPOConfig.paper_32b().execution == "colocated" and DAPOConfig.paper_32b().colocated_checkpoint_every == 5
     colocated = DAPOConfig.tiny_cpu().replace(execution="colocated")
     assert colocated.execution == "colocated"
     # both modes compute the same steps: switching keeps the step tasks' cache keys

@@ -159,7 +159,7 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
     config = DAPOConfig.paper_32b().replace(
         execution="colocated", model_size_billions=1.5, trainer_nnodes=1, trainer_nproc_per_node=1, tensor_parallel_size=1,
         rollout_shards=1, gpu_accelerator="nvidia-h100", val_every=10, steps_per_chunk=10, measured_step_minutes=3.0,
-        chunk_timeout_minutes=15 * 60,
+        chunk_timeout_minutes=15 * 60, trainer_shared_dir="",
     )
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
                            target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
@@ -374,4 +374,6 @@ def test_each_hardware_preset_compiles_with_its_chunks_shaped_for_its_gpus(tmp_p
     assert node.metadata.retries.retries == config.task_retries
     task = next(t for t in chunk_spec.tasks if t.id.name == node.task_node.reference_id.name)
     assert task.id.name.endswith("colocated_chunk_elastic" if config.trainer_world_size > 1 else "colocated_chunk")
+    # a chunk whose records are on trainer_shared_dir runs where that volume is mounted
+    assert task.metadata.pod_template_name == ("dapo-gpu-shared" if config.trainer_shared_dir else "dapo-gpu")
     assert max(spec.to_flyte_idl().ByteSize() for spec in (train_spec, chunk_spec)) < podsim.MAX_DOWNLOAD_BYTES

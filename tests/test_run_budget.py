@@ -1,6 +1,8 @@
 """The run budget (dapo.run_budget): a config whose timeouts cannot cover their tasks' work,
 by the cost model and Flyte's deadlines, is refused before any work, naming the numbers."""
 
+from pathlib import Path
+
 import pytest
 
 from dapo import cluster_cost, run_budget
@@ -38,19 +40,43 @@ def test_longer_chunks_need_a_longer_chunk_timeout_and_a_measured_step_time_repl
     assert 100 * 10 * 60 < chunk.attempt_s < 100 * 11 * 60 + 4 * 3600  # 100 steps, their syncs and one set of restarts
 
 
-def test_retries_must_fit_twice_the_timeout_from_where_each_task_restarts():
-    """A per-stage policy step restarts from scratch: with 2 retries its three attempts need
-    1.5x an attempt's time; a colocated chunk's retry resumes from its record, so its
-    retries cost only the steps since the last one."""
+def test_retries_of_both_kinds_must_fit_twice_the_timeout_from_where_each_task_restarts():
+    """A per-stage policy step restarts from scratch: with its 2 retries and propeller's 3
+    after system failures, its six attempts need 3x an attempt's time; a colocated chunk's
+    retry resumes from its record, so its retries cost only the steps since the last one."""
+    assert run_budget.SYSTEM_RETRIES == 3
     policy_step = next(b for b in run_budget.task_budgets(PAPER.replace(execution="per_stage")) if b.task == "policy_step")
-    assert policy_step.retry_s == policy_step.attempt_s
-    assert policy_step.needed_minutes == pytest.approx(3 * policy_step.attempt_s * run_budget.HEADROOM / 60 / 2, abs=1)
+    assert policy_step.retry_s == policy_step.attempt_s and policy_step.retries == 2
+    assert policy_step.needed_minutes == pytest.approx(6 * policy_step.attempt_s * run_budget.HEADROOM / 60 / 2, abs=1)
     chunk = next(b for b in run_budget.task_budgets(PAPER) if b.task == "a colocated chunk")
     every_step = PAPER.replace(colocated_checkpoint_every=1, chunk_timeout_minutes=0, stage_timeout_minutes=0)  # priced, not checked
     chunk_every_step = next(b for b in run_budget.task_budgets(every_step) if b.task == "a colocated chunk")
     assert chunk_every_step.retry_s < chunk.retry_s < chunk.attempt_s < chunk_every_step.attempt_s  # a record every step costs time
     no_retries = next(b for b in run_budget.task_budgets(PAPER.replace(task_retries=0)) if b.task == "a colocated chunk")
     assert no_retries.needed_minutes == pytest.approx(chunk.attempt_s * run_budget.HEADROOM / 60, abs=1)
+
+
+def test_a_chunk_without_a_shared_volume_is_priced_as_starting_again_on_a_retry():
+    """A chunk's records outlive its pod only on trainer_shared_dir (tasks.train.records_dir):
+    without it a retried pod starts the whole chunk again, and node_7b's 10-hour chunks
+    would need a 35-hour timeout; the preset keeps its records on the shared volume."""
+    node = DAPOConfig.node_7b()
+    assert node.trainer_nnodes == 1 and node.trainer_shared_dir
+    resumed = next(b for b in run_budget.task_budgets(node) if b.task == "a colocated chunk")
+    assert resumed.retry_s < resumed.attempt_s / 4 and "resumes from its last record, <= 2 steps back" in resumed.work
+    with pytest.raises(ConfigError, match=r"a retry starts it again\) and ~3,\d{3} min with its 2 retries and propeller's 3"):
+        node.replace(trainer_shared_dir="")
+    unchecked = node.replace(trainer_shared_dir="", chunk_timeout_minutes=0, stage_timeout_minutes=0)
+    again = next(b for b in run_budget.task_budgets(unchecked) if b.task == "a colocated chunk")
+    assert again.retry_s == again.attempt_s and again.needed_minutes > 2000
+
+
+def test_the_system_retries_priced_are_the_ones_the_shipped_flyte_allows():
+    import yaml
+
+    values = yaml.safe_load((Path(__file__).resolve().parents[1] / "k8s" / "flyte-binary-values.yaml").read_text())
+    node_config = values["configuration"]["inline"]["propeller"]["node-config"]
+    assert node_config["max-node-retries-system-failures"] == run_budget.SYSTEM_RETRIES
 
 
 def test_no_timeout_or_the_embedded_policy_has_no_budget_to_check():

@@ -149,6 +149,7 @@ def test_a_colocated_chunk_keeps_its_records_under_its_run_by_first_step_and_pru
     them); as a chunk starts, the records of the run's chunks that started before it go
     (their checkpoints are their tasks' outputs); a later chunk's, and other runs', stay."""
     from dapo.config import DAPOConfig
+    from tasks.common import run_key
     from tasks.train import prune_earlier_chunks, records_dir
 
     config = DAPOConfig.tiny_cpu().replace(execution="colocated", trainer_nnodes=2, trainer_shared_dir=str(tmp_path),
@@ -158,8 +159,10 @@ def test_a_colocated_chunk_keeps_its_records_under_its_run_by_first_step_and_pru
     assert current.startswith(str(tmp_path / "colocated" / "run-"))
     assert records_dir(config.replace(total_steps=99), policy, 10) == current  # the run extended: the same records
     assert records_dir(config, FlyteDirectory("s3://bucket/other-policy-10"), 10) != current
-    assert records_dir(config.replace(trainer_nnodes=1, rollout_shards=1), policy, 10).startswith(
-        str(Path.home() / ".flyte" / "dapo-colocated"))  # one node: the pod's (or this machine's) disk
+    one_node = config.replace(trainer_nnodes=1, rollout_shards=1)
+    assert Path(records_dir(one_node, policy, 10)).parent == Path(current).parent.parent / f"run-{run_key(one_node)}"  # a shared dir: there too
+    assert records_dir(one_node.replace(trainer_shared_dir=""), policy, 10).startswith(
+        str(Path.home() / ".flyte" / "dapo-colocated"))  # no shared dir: the pod's (or this machine's) disk
     run_dir = Path(current).parent
     for name in ("chunk-0-aaaa", "chunk-5-bbbb", "chunk-20-cccc", Path(current).name):
         (run_dir / name / "steps").mkdir(parents=True)
