@@ -577,6 +577,34 @@ def test_an_engine_that_cannot_fit_beside_the_trainer_is_refused_with_the_number
     assert "rollout.colocated_rollout_gpu_memory" in problem
 
 
+def test_an_engine_start_refused_for_memory_another_process_held_is_transient_and_one_our_own_memory_explains_is_not():
+    """vLLM's refusal (vllm/v1/worker/utils.py's message, with its own free/total) is retried
+    by Flyte (a TransientFault, FlyteRecoverableException at the task) when the memory in use
+    is beyond what this process and its pod's CUDA contexts hold: the previous pod's engine
+    not yet gone. The same refusal with a colocated trainer's 60 GiB in this process fails at once."""
+    from dapo.faults import TransientFault, is_transient
+    from dapo.rollout.vllm_engine import transient_start_refusal
+
+    refusal = ValueError("Free memory on device cuda:0 (10.5/79.2 GiB) on startup is less than desired GPU memory "
+                         "utilization (0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    with pytest.raises(TransientFault, match=r"another process held \(68.7 GiB in use beyond this process's 0.0 GiB\)") as raised:
+        with transient_start_refusal():
+            raise refusal
+    assert is_transient(raised.value) and raised.value.__cause__ is refusal
+    external = ValueError("Free memory on device cuda:0 (5.0/79.2 GiB) on startup is less than the engine's budget after "
+                          "excluding external process's weights (0.5, 30.0 GiB). Decrease GPU memory utilization or reduce GPU memory")
+    with pytest.raises(TransientFault):
+        with transient_start_refusal():
+            raise external
+
+    from dapo.faults import engine_start_refusal
+    assert engine_start_refusal(refusal, own_bytes=68 * 2**30) is None  # a trainer in this process holds it: no retry helps
+    assert engine_start_refusal(ValueError("max_model_len 9000 is larger than the model's 4096"), own_bytes=0) is None
+    with pytest.raises(ValueError, match="max_model_len"):
+        with transient_start_refusal():
+            raise ValueError("max_model_len 9000 is larger than the model's 4096")
+
+
 @needs_vllm
 def test_the_cpu_engine_holds_one_round_in_kv_blocks_that_a_groups_samples_share(policy_dir):
     """The KV cache is sized to the sequences of one round (vLLM's max_num_seqs), and its blocks

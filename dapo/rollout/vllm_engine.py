@@ -13,6 +13,7 @@ import time
 import weakref
 from contextlib import contextmanager
 
+from dapo.faults import TransientFault, engine_start_refusal, memory_held_elsewhere
 from dapo.rollout.base import (
     Completion, ProgressFn, RolloutEngine, SamplingSettings, checkpoint_fingerprint, checkpoint_tensor_names, iter_safetensors,
     request_seed,
@@ -121,14 +122,16 @@ class VLLMRolloutEngine(RolloutEngine):
             if "gpu_memory_utilization" in options and torch.cuda.is_available() and torch.cuda.is_initialized():
                 # beside a trainer in this process (colocated): its cached blocks first, then the fit
                 empty_accelerator_cache()
-                problem = start_memory_problem(*torch.cuda.mem_get_info(), options["gpu_memory_utilization"])
+                free, total = torch.cuda.mem_get_info()
+                problem = start_memory_problem(free, total, options["gpu_memory_utilization"])
                 if problem:
-                    raise RuntimeError(problem)
+                    held_elsewhere = memory_held_elsewhere(free, total, torch.cuda.memory_reserved())
+                    raise (TransientFault if held_elsewhere else RuntimeError)(problem)
             # Overriding it breaks Completion.log_probs' meaning: for experiments only.
             options.setdefault("logprobs_mode", LOGPROBS_MODE)
             enforce_eager = self.enforce_eager if self.enforce_eager is not None else on_cpu
             self._serving_threads = serving_threads()
-            with keep_caller_process_state():
+            with keep_caller_process_state(), transient_start_refusal():
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
@@ -432,6 +435,22 @@ def release_closed_engine_memory() -> None:
         torch._dynamo.reset()
         gc.collect()
     empty_accelerator_cache()
+
+
+@contextmanager
+def transient_start_refusal():
+    """vLLM's refusal to start for memory that another process held, as a TransientFault
+    (Flyte retries the task); any other error as it is."""
+    try:
+        yield
+    except ValueError as error:
+        import torch
+
+        own = torch.cuda.memory_reserved() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+        refusal = engine_start_refusal(error, own)
+        if refusal is None:
+            raise
+        raise refusal from error
 
 
 def start_memory_problem(free_bytes: int, total_bytes: int, utilization: float) -> str:
