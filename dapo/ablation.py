@@ -83,21 +83,33 @@ class Study:
 
 
 STUDIES = {
-    "table1": Study((
-        ("naive GRPO", {}),
-        ("+ overlong filtering", {"overlong_filtering": True}),
-        ("+ clip-higher", {"clip_high": 0.28}),
-        ("+ soft overlong punishment", {"enable_overlong_penalty": True, "overlong_filtering": False}),
-        ("+ token-level loss", {"loss_agg_mode": "token-mean"}),
-        ("+ dynamic sampling (DAPO)", {"dynamic_sampling": True}),
-    )),
-    "fidelity": Study((
-        ("naive GRPO", {}),
-        ("+ overlong filtering", {"overlong_filtering": True}),
-        ("+ clip-higher", {"clip_high": 0.28}),
-        ("DAPO (+ soft overlong punishment for filtering, token-level loss, dynamic sampling)",
-         {"overlong_filtering": False, "enable_overlong_penalty": True, "loss_agg_mode": "token-mean", "dynamic_sampling": True}),
-    ), FIDELITY_REGIME),
+    "table1": Study(
+        (
+            ("naive GRPO", {}),
+            ("+ overlong filtering", {"overlong_filtering": True}),
+            ("+ clip-higher", {"clip_high": 0.28}),
+            ("+ soft overlong punishment", {"enable_overlong_penalty": True, "overlong_filtering": False}),
+            ("+ token-level loss", {"loss_agg_mode": "token-mean"}),
+            ("+ dynamic sampling (DAPO)", {"dynamic_sampling": True}),
+        )
+    ),
+    "fidelity": Study(
+        (
+            ("naive GRPO", {}),
+            ("+ overlong filtering", {"overlong_filtering": True}),
+            ("+ clip-higher", {"clip_high": 0.28}),
+            (
+                "DAPO (+ soft overlong punishment for filtering, token-level loss, dynamic sampling)",
+                {
+                    "overlong_filtering": False,
+                    "enable_overlong_penalty": True,
+                    "loss_agg_mode": "token-mean",
+                    "dynamic_sampling": True,
+                },
+            ),
+        ),
+        FIDELITY_REGIME,
+    ),
 }
 
 
@@ -123,55 +135,66 @@ def summarize(chosen: Study, histories: list[list[dict]], seeds: list[int]) -> l
     the clip fractions, truncation share and kept groups averaged over the steps."""
     rows = []
     for variant, runs in sorted(chosen.by_variant(histories, seeds).items()):
-        def series(key):
+
+        def series(key, runs=runs):
             return [values(h, key) for h in runs]
 
         finals = [v[-1] for v in series("val/acc") if v]
-        rows.append({
-            "variant": chosen.variants[variant][0],
-            "key": chosen.variant_key(variant),
-            "val_acc_mean": statistics.fmean(finals) if finals else float("nan"),
-            "val_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "val_acc_start": _seed_mean(series("val/acc"), lambda v: v[0]),
-            "val_entropy_start": _seed_mean(series("val/entropy"), lambda v: v[0]),
-            "val_entropy_final": _seed_mean(series("val/entropy"), lambda v: v[-1]),
-            "final_entropy": _seed_mean(series("actor/entropy"), lambda v: v[-1]),
-            "clipfrac": _seed_mean(series("actor/clipfrac"), statistics.fmean),
-            "clipfrac_high": _seed_mean(series("actor/clipfrac_high"), statistics.fmean),
-            "clipfrac_low": _seed_mean(series("actor/clipfrac_low"), statistics.fmean),
-            "val_truncated_start": _seed_mean(series("val/truncated_frac"), lambda v: v[0]),
-            "val_truncated_final": _seed_mean(series("val/truncated_frac"), lambda v: v[-1]),
-            "val_length_final": _seed_mean(series("val/response_length_mean"), lambda v: v[-1]),
-            "informative_groups_per_step": _seed_mean(series("sampling/informative_groups"), statistics.fmean),
-            "seeds": len(runs),
-        })
+        rows.append(
+            {
+                "variant": chosen.variants[variant][0],
+                "key": chosen.variant_key(variant),
+                "val_acc_mean": statistics.fmean(finals) if finals else float("nan"),
+                "val_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                "val_acc_start": _seed_mean(series("val/acc"), lambda v: v[0]),
+                "val_entropy_start": _seed_mean(series("val/entropy"), lambda v: v[0]),
+                "val_entropy_final": _seed_mean(series("val/entropy"), lambda v: v[-1]),
+                "final_entropy": _seed_mean(series("actor/entropy"), lambda v: v[-1]),
+                "clipfrac": _seed_mean(series("actor/clipfrac"), statistics.fmean),
+                "clipfrac_high": _seed_mean(series("actor/clipfrac_high"), statistics.fmean),
+                "clipfrac_low": _seed_mean(series("actor/clipfrac_low"), statistics.fmean),
+                "val_truncated_start": _seed_mean(series("val/truncated_frac"), lambda v: v[0]),
+                "val_truncated_final": _seed_mean(series("val/truncated_frac"), lambda v: v[-1]),
+                "val_length_final": _seed_mean(series("val/response_length_mean"), lambda v: v[-1]),
+                "informative_groups_per_step": _seed_mean(series("sampling/informative_groups"), statistics.fmean),
+                "seeds": len(runs),
+            }
+        )
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| variant | val acc (final, mean ± std) | val acc at step 0 | probe entropy (start → final) | batch entropy (final) "
-        "| clipped tokens (all / high / low) | truncated (val, start → final) | val length (final) | informative groups per step | seeds |",
+        "| variant | val acc (final, mean ± std) | val acc at step 0 | probe entropy (start → final) "
+        "| batch entropy (final) | clipped tokens (all / high / low) | truncated (val, start → final) "
+        "| val length (final) | informative groups per step | seeds |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        def cell(key: str, spec: str) -> str:
+
+        def cell(key: str, spec: str, r=r) -> str:
             return "—" if math.isnan(r[key]) else format(r[key], spec)  # not measured (e.g. val_entropy off)
 
         lines.append(
-            f"| {r['variant']} | {cell('val_acc_mean', '.3f')} ± {cell('val_acc_std', '.3f')} | {cell('val_acc_start', '.3f')} "
-            f"| {cell('val_entropy_start', '.3f')} → {cell('val_entropy_final', '.3f')} | {cell('final_entropy', '.3f')} "
+            f"| {r['variant']} | {cell('val_acc_mean', '.3f')} ± {cell('val_acc_std', '.3f')} "
+            f"| {cell('val_acc_start', '.3f')} "
+            f"| {cell('val_entropy_start', '.3f')} → {cell('val_entropy_final', '.3f')} "
+            f"| {cell('final_entropy', '.3f')} "
             f"| {cell('clipfrac', '.2%')} / {cell('clipfrac_high', '.2%')} / {cell('clipfrac_low', '.2%')} "
-            f"| {cell('val_truncated_start', '.1%')} → {cell('val_truncated_final', '.1%')} | {cell('val_length_final', '.1f')} "
+            f"| {cell('val_truncated_start', '.1%')} → {cell('val_truncated_final', '.1%')} "
+            f"| {cell('val_length_final', '.1f')} "
             f"| {cell('informative_groups_per_step', '.1f')} | {r['seeds']} |"
         )
     return "\n".join(lines)
 
 
 PANELS = (
-    ("val/acc", "validation accuracy"), ("val/entropy", "policy entropy on the validation samples"),
-    ("actor/clipfrac", "clipped tokens"), ("val/truncated_frac", "truncated validation responses"),
-    ("val/response_length_mean", "mean validation response length"), ("sampling/informative_groups", "informative groups trained"),
+    ("val/acc", "validation accuracy"),
+    ("val/entropy", "policy entropy on the validation samples"),
+    ("actor/clipfrac", "clipped tokens"),
+    ("val/truncated_frac", "truncated validation responses"),
+    ("val/response_length_mean", "mean validation response length"),
+    ("sampling/informative_groups", "informative groups trained"),
 )
 
 
@@ -193,7 +216,13 @@ def plot_curves(chosen: Study, histories: list[list[dict]], seeds: list[int], pa
                     if key in h:
                         points.setdefault(-(-h["step"] // window) * window, []).append(h[key])
             steps = sorted(points)
-            ax.plot(steps, [statistics.fmean(points[s]) for s in steps], marker="o", markersize=3, label=chosen.variants[variant][0])
+            ax.plot(
+                steps,
+                [statistics.fmean(points[s]) for s in steps],
+                marker="o",
+                markersize=3,
+                label=chosen.variants[variant][0],
+            )
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -64,7 +64,7 @@ class PolicyBatch:
         """(prompt tokens, response tokens) of each row, padding excluded."""
         return self.attention_mask[:, : self.prompt_length].sum(dim=-1), self.response_mask.sum(dim=-1)
 
-    def select(self, index: torch.Tensor | slice) -> "PolicyBatch":
+    def select(self, index: torch.Tensor | slice) -> PolicyBatch:
         return PolicyBatch(
             input_ids=self.input_ids[index],
             attention_mask=self.attention_mask[index],
@@ -203,7 +203,10 @@ class PackedBatch:
 
 def pack(batch: PolicyBatch) -> PackedBatch:
     """Each row's real tokens (its prompt, then its response), one row after another."""
-    ids, positions, logit_positions, slots = [], [], [], []
+    ids: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    row_logit_positions: list[torch.Tensor] = []
+    row_slots: list[torch.Tensor] = []
     width = batch.responses.shape[1]
     offset = 0
     prompts, responses = (lengths.tolist() for lengths in batch.row_lengths())
@@ -213,11 +216,11 @@ def pack(batch: PolicyBatch) -> PackedBatch:
         start = batch.prompt_length - prompt
         ids.append(batch.input_ids[row, start : batch.prompt_length + response])
         positions.append(torch.arange(prompt + response))
-        logit_positions.append(torch.arange(response) + offset + prompt - 1)
-        slots.append(torch.arange(response) + row * width)
+        row_logit_positions.append(torch.arange(response) + offset + prompt - 1)
+        row_slots.append(torch.arange(response) + row * width)
         offset += prompt + response
     input_ids = torch.cat(ids).unsqueeze(0)
-    logit_positions, slots = torch.cat(logit_positions), torch.cat(slots)
+    logit_positions, slots = torch.cat(row_logit_positions), torch.cat(row_slots)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=torch.cat(positions).unsqueeze(0),

@@ -281,7 +281,7 @@ def remove_stale_tmp(parent_dir: str | Path, older_than_s: float = 0.0) -> list[
     still running elsewhere can be spared. Returns the removed paths.
     """
     parent = Path(parent_dir)
-    removed = []
+    removed: list[str] = []
     if not parent.is_dir():
         return removed
     now = time.time()

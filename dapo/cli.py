@@ -26,10 +26,18 @@ from dapo.config import SECTIONS, ConfigError, DAPOConfig, flat_overrides, parse
 @functools.cache
 def field_help(section: type) -> dict[str, str]:
     """The docstring under each field of a section class (what `help()` cannot show)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    (definition,) = ast.parse(textwrap.dedent(inspect.getsource(section))).body
+    assert isinstance(definition, ast.ClassDef)
+    body = definition.body
     docs = {}
     for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[node.target.id] = inspect.cleandoc(following.value.value)
     return docs
 
@@ -53,7 +61,11 @@ def describe(config: DAPOConfig, sections: list[str]) -> str:
         helps = field_help(section)
         for f in dataclasses.fields(section):
             lines.append(f"  {name}.{f.name}: {type_name(hints[f.name])} = {getattr(config, f.name)!r}")
-            lines += [textwrap.indent(textwrap.fill(para, 88), "      ") for para in helps.get(f.name, "").split("\n\n") if para]
+            lines += [
+                textwrap.indent(textwrap.fill(para, 88), "      ")
+                for para in helps.get(f.name, "").split("\n\n")
+                if para
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -67,12 +79,16 @@ def as_yaml(config: DAPOConfig, sections: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dapo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dapo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("config", help="list the config's fields, by section, with their values and help")
     show.add_argument("--preset", default="tiny_cpu", help="the preset whose values are shown (default: tiny_cpu)")
     show.add_argument("--config_file", default="", help="a YAML config file applied over the preset")
-    show.add_argument("--set", default="", help="dotted assignments applied last: 'algorithm.clip_high=0.2 trainer.lr=1e-6'")
+    show.add_argument(
+        "--set", default="", help="dotted assignments applied last: 'algorithm.clip_high=0.2 trainer.lr=1e-6'"
+    )
     show.add_argument("--section", action="append", choices=list(SECTIONS), help="only these sections (repeatable)")
     show.add_argument("--yaml", action="store_true", help="print the values as a YAML config file, without help")
     show.add_argument("--presets", action="store_true", help="list the presets and what each is for")
@@ -82,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}\n{textwrap.indent(inspect.cleandoc(factory.__doc__ or ''), '    ')}\n")
         return 0
     try:
-        overrides = {**flat_overrides(read_config_file(args.config_file) if args.config_file else {}),
-                     **flat_overrides(parse_assignments(args.set))}
+        overrides = {
+            **flat_overrides(read_config_file(args.config_file) if args.config_file else {}),
+            **flat_overrides(parse_assignments(args.set)),
+        }
         config = DAPOConfig.preset(args.preset, overrides)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -72,7 +72,12 @@ NCCL_SYNC_BILLIONS = 30
 UPDATE_SHARE = 0.3
 # Measured here (benchmarks/RESULTS.md section 4, benchmarks/weights_handoff.py, 146M params):
 # a whole checkpoint's save to local disk, and vLLM's in-place weight reload against its start.
-MEASURED_HANDOFF = {"whole checkpoint MB": 2910.2, "save s": 10.48, "vLLM in-place reload s": 0.299, "vLLM start s": 1.9}
+MEASURED_HANDOFF = {
+    "whole checkpoint MB": 2910.2,
+    "save s": 10.48,
+    "vLLM in-place reload s": 0.299,
+    "vLLM start s": 1.9,
+}
 
 
 @dataclass(frozen=True)
@@ -89,12 +94,19 @@ class Model:
     checkpoint_bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM
 
     @classmethod
-    def of(cls, config: DAPOConfig) -> "Model":
+    def of(cls, config: DAPOConfig) -> Model:
         """The policy and cluster slice of a config: its trainer's nodes and GPUs, its vLLM
         engines, its training dtype's bytes."""
         params = config.model_size_billions * 1e9
-        return cls(f"{config.model_size_billions:g}B", config.model_size_billions, config.trainer_nnodes, config.tensor_parallel_size,
-                   config.trainer_nproc_per_node, config.weights_bytes / params, config.checkpoint_bytes / params)
+        return cls(
+            f"{config.model_size_billions:g}B",
+            config.model_size_billions,
+            config.trainer_nnodes,
+            config.tensor_parallel_size,
+            config.trainer_nproc_per_node,
+            config.weights_bytes / params,
+            config.checkpoint_bytes / params,
+        )
 
     @property
     def gpus(self) -> int:
@@ -177,7 +189,9 @@ def vllm_start_s(model: Model, scenario: Scenario) -> float:
 
 def sync_s(model: Model, scenario: Scenario) -> float:
     """Colocated: the new weights from the trainer into vLLM in memory, once a step."""
-    return max(NCCL_SYNC_S * model.billions / NCCL_SYNC_BILLIONS, scenario.sync_share_of_start * vllm_start_s(model, scenario))
+    return max(
+        NCCL_SYNC_S * model.billions / NCCL_SYNC_BILLIONS, scenario.sync_share_of_start * vllm_start_s(model, scenario)
+    )
 
 
 def trainer_restart(model: Model, scenario: Scenario) -> tuple[float, float]:
@@ -204,8 +218,17 @@ def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario,
         n = steps_per_chunk
         saves = math.ceil(n / checkpoint_every)  # the last one is trainer_restart's save
         records_s = (saves - 1) * model.checkpoint_bytes / model.nodes / scenario.save_bytes_s
-        chunk_s = trainer_s + vllm_start_s(model, scenario) + records_s  # vLLM gets its weights from the trainer, not the store
-        return StepCost(model.engines / n, 1 / n, trainer_bytes / n, saves / n, chunk_s / n + sync_s(model, scenario), compute_s(model))
+        chunk_s = (
+            trainer_s + vllm_start_s(model, scenario) + records_s
+        )  # vLLM gets its weights from the trainer, not the store
+        return StepCost(
+            model.engines / n,
+            1 / n,
+            trainer_bytes / n,
+            saves / n,
+            chunk_s / n + sync_s(model, scenario),
+            compute_s(model),
+        )
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
@@ -245,7 +268,9 @@ class OverlapCost:
         return self.sync_step_s / self.off_step_s
 
 
-def one_step_off_cost(model: Model, scenario: Scenario, steps_per_chunk: int = 10, checkpoint_every: int = 5) -> OverlapCost:
+def one_step_off_cost(
+    model: Model, scenario: Scenario, steps_per_chunk: int = 10, checkpoint_every: int = 5
+) -> OverlapCost:
     """One step off against synchronous colocated, per step, chunk overheads included in both.
     The split gives the trainer the fewest GPUs whose update is no longer than the rollout
     (the rollout keeps whole vLLM engines); the step is then the rollout's time plus the
@@ -254,7 +279,9 @@ def one_step_off_cost(model: Model, scenario: Scenario, steps_per_chunk: int = 1
     rollout, update = (1 - UPDATE_SHARE) * sync.compute_s, UPDATE_SHARE * sync.compute_s
     splits = [g for g in range(1, model.gpus) if (model.gpus - g) % model.tensor_parallel == 0]
     if not splits:
-        raise ValueError(f"{model.name}: {model.gpus} GPU(s) cannot hold a trainer and a vLLM engine of {model.tensor_parallel}")
+        raise ValueError(
+            f"{model.name}: {model.gpus} GPU(s) cannot hold a trainer and a vLLM engine of {model.tensor_parallel}"
+        )
     trainer_gpus = next((g for g in splits if update * model.gpus / g <= rollout), splits[-1])
     broadcast = model.weights_bytes / INTER_NODE_BYTES_S
     chunk_overhead = sync.overhead_s - sync_s(model, scenario)  # restarts and records: the same in both modes

@@ -32,15 +32,22 @@ def canonical_source(source: str) -> str:
     tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return _written(tree)
 
 
 def _written(node) -> str:
     if isinstance(node, ast.AST):
-        fields = [f"{name}={_written(value)}" for name, value in ast.iter_fields(node) if value is not None and value != []]
+        fields = [
+            f"{name}={_written(value)}" for name, value in ast.iter_fields(node) if value is not None and value != []
+        ]
         return f"{type(node).__name__}({','.join(fields)})"
     if isinstance(node, list):
         return f"[{','.join(map(_written, node))}]"
@@ -57,9 +64,10 @@ def _source_file(module: str) -> Path | None:
     """The file of a project module, found beside its package without importing anything;
     None for anything else (another library, a name imported from a module)."""
     package, *rest = module.split(".")
-    if package not in PROJECT_PACKAGES or _package_dir(package) is None:
+    directory = _package_dir(package) if package in PROJECT_PACKAGES else None
+    if directory is None:
         return None
-    path = _package_dir(package).joinpath(*rest)
+    path = directory.joinpath(*rest)
     for candidate in (path / "__init__.py", path.with_suffix(".py")):
         if candidate.is_file():
             return candidate
@@ -69,13 +77,17 @@ def _source_file(module: str) -> Path | None:
 def _imports(module: str, tree: ast.AST, is_package: bool) -> set[str]:
     """The project modules a module's import statements name, with their parent packages
     (importing a.b.c runs a/__init__.py and a/b/__init__.py)."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             package = module if is_package else module.rpartition(".")[0]
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level else node.module
+            base = (
+                importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                if node.level
+                else node.module or ""
+            )
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
     with_parents = {".".join(name.split(".")[: n + 1]) for name in names for n in range(name.count(".") + 1)}
@@ -85,6 +97,8 @@ def _imports(module: str, tree: ast.AST, is_package: bool) -> set[str]:
 @functools.cache
 def _module_text(module: str) -> tuple[str, frozenset[str]]:
     path = _source_file(module)
+    if path is None:
+        raise ModuleNotFoundError(f"{module!r} is no module of {PROJECT_PACKAGES}")
     source = path.read_text(encoding="utf-8")
     return canonical_source(source), frozenset(_imports(module, ast.parse(source), path.name == "__init__.py"))
 

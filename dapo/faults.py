@@ -25,18 +25,50 @@ CRASH_ENV = "DAPO_CRASH_AT"
 TRANSIENT_ENV = "DAPO_TRANSIENT_AT"
 POINTS = ("rollout", "policy_step", "checkpoint_commit")
 
-TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-                    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN}
-TRANSIENT_S3_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed",
-                      "Throttling", "ThrottlingException", "503", "500"}
+TRANSIENT_ERRNOS = {
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+    errno.EAGAIN,
+}
+TRANSIENT_S3_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "503",
+    "500",
+}
 TRANSIENT_CLASS_NAMES = {
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",  # botocore
-    "ServerDisconnectedError", "ClientConnectionError", "ClientOSError", "ClientPayloadError",  # aiohttp (s3fs, gcsfs)
-    "ConnectError", "ReadTimeout", "ConnectTimeout", "RemoteProtocolError",  # httpx
-    "ConnectionError", "Timeout", "ChunkedEncodingError",  # requests (MLflow's client), whose classes are not the builtins
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",  # botocore
+    "ServerDisconnectedError",
+    "ClientConnectionError",
+    "ClientOSError",
+    "ClientPayloadError",  # aiohttp (s3fs, gcsfs)
+    "ConnectError",
+    "ReadTimeout",
+    "ConnectTimeout",
+    "RemoteProtocolError",  # httpx
+    "ConnectionError",
+    "Timeout",
+    "ChunkedEncodingError",  # requests (MLflow's client), whose classes are not the builtins
 }
 """Transient by their class's name, so that this module imports none of those libraries."""
-MLFLOW_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}  # INTERNAL_ERROR is also its default: not a sign
+MLFLOW_TRANSIENT_CODES = {
+    "TEMPORARILY_UNAVAILABLE",
+    "REQUEST_LIMIT_EXCEEDED",
+}  # INTERNAL_ERROR is also its default: not a sign
 
 
 class TransientFault(RuntimeError):
@@ -69,20 +101,23 @@ def engine_start_refusal(error: BaseException, own_bytes: float) -> TransientFau
     held = memory_held_elsewhere(free, total, own_bytes)
     if not held:
         return None
-    return TransientFault(f"the vLLM engine's start was refused for memory that another process held "
-                          f"({(total - free - own_bytes) / 2**30:.1f} GiB in use beyond this process's {own_bytes / 2**30:.1f} GiB); "
-                          f"a retry may find it free: {error}")
+    return TransientFault(
+        f"the vLLM engine's start was refused for memory that another process held "
+        f"({(total - free - own_bytes) / 2**30:.1f} GiB in use beyond this process's {own_bytes / 2**30:.1f} GiB); "
+        f"a retry may find it free: {error}"
+    )
 
 
 def is_transient(error: BaseException) -> bool:
     """Whether `error`, or an exception it was raised from, is a network or object-store fault
     that a retry may not meet again (see the module docstring)."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if _transient_itself(error):
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _transient_itself(current):
             return True
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 
@@ -106,4 +141,6 @@ def crash_point(point: str, step: int | None) -> None:
     if wanted and wanted == f"{point}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get(TRANSIENT_ENV, "") == f"{point}@{step}" and os.environ.get("FLYTE_ATTEMPT_NUMBER", "0") == "0":
-        raise ConnectionResetError(errno.ECONNRESET, f"the object store reset the connection ({TRANSIENT_ENV}={point}@{step})")
+        raise ConnectionResetError(
+            errno.ECONNRESET, f"the object store reset the connection ({TRANSIENT_ENV}={point}@{step})"
+        )

@@ -21,6 +21,7 @@ import difflib
 import functools
 import json
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote
 
 PREFIX = "reasoning_gym:"
@@ -65,7 +66,7 @@ class GymSpec:
             sizes[i] += 1
         return sizes
 
-    def with_seed(self, seed: int, size: int | None = None) -> "GymSpec":
+    def with_seed(self, seed: int, size: int | None = None) -> GymSpec:
         return dataclasses.replace(self, seed=seed, size=size or self.size)
 
 
@@ -94,15 +95,20 @@ def parse_spec(spec: str) -> GymSpec:
     if not is_gym_spec(spec):
         raise GymSpecError(f"{spec!r} is not a reasoning_gym: spec")
     datasets = _datasets()
-    tasks, spec_values = [], {}
-    for part in filter(None, (p.strip() for p in spec[len(PREFIX):].split(";"))):
+    tasks: list[GymTask] = []
+    spec_values: dict[str, Any] = {}  # parsed from the user's text: checked below
+    for part in filter(None, (p.strip() for p in spec[len(PREFIX) :].split(";"))):
         name, _, query = part.partition("?")
         if name not in datasets:
             close = difflib.get_close_matches(name, list(datasets), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise GymSpecError(f"{spec!r}: reasoning-gym has no task {name!r}{hint} ({len(datasets)} tasks in reasoning_gym.factory.DATASETS)")
+            raise GymSpecError(
+                f"{spec!r}: reasoning-gym has no task {name!r}{hint} "
+                f"({len(datasets)} tasks in reasoning_gym.factory.DATASETS)"
+            )
         fields = [f.name for f in dataclasses.fields(datasets[name][1]) if f.name not in ("seed", "size")]
-        options, weight = {}, 1.0
+        options: dict[str, Any] = {}
+        weight: Any = 1.0
         for item in filter(None, query.split("&")):
             key, eq, text = (unquote(part) for part in item.partition("="))  # "+" stays "+" (operators=[+,-])
             if not eq:
@@ -110,7 +116,9 @@ def parse_spec(spec: str) -> GymSpec:
             value = _value(text)
             if key in SPEC_KEYS:
                 if key in spec_values and spec_values[key] != value:
-                    raise GymSpecError(f"{spec!r}: {key} given twice ({spec_values[key]!r}, {value!r}); it is the spec's, give it once")
+                    raise GymSpecError(
+                        f"{spec!r}: {key} given twice ({spec_values[key]!r}, {value!r}); it is the spec's, give it once"
+                    )
                 spec_values[key] = value
             elif key == "weight":
                 weight = value
@@ -119,7 +127,10 @@ def parse_spec(spec: str) -> GymSpec:
             else:
                 close = difflib.get_close_matches(key, fields + list(SPEC_KEYS + TASK_KEYS), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise GymSpecError(f"{spec!r}: task {name!r} has no option {key!r}{hint} (its options: {fields + list(SPEC_KEYS + TASK_KEYS)})")
+                raise GymSpecError(
+                    f"{spec!r}: task {name!r} has no option {key!r}{hint} "
+                    f"(its options: {fields + list(SPEC_KEYS + TASK_KEYS)})"
+                )
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
             raise GymSpecError(f"{spec!r}: task {name!r}: weight must be a number > 0, got {weight!r}")
         tasks.append(GymTask(name, tuple(sorted(options.items())), float(weight)))
@@ -167,14 +178,24 @@ def generate_rows(spec: GymSpec) -> list[GymRow]:
             try:
                 entry = data[i]
             except Exception as error:
-                raise GymSpecError(f"reasoning-gym task {task.name!r} ({task.options_json}) failed to generate entry {i} "
-                                   f"of seed {seed}: {type(error).__name__}: {error}") from error
-            source = {"rg_task": task.name, "rg_options": task.options_json, "rg_seed": seed, "rg_size": size, "rg_index": i}
+                raise GymSpecError(
+                    f"reasoning-gym task {task.name!r} ({task.options_json}) failed to generate entry {i} "
+                    f"of seed {seed}: {type(error).__name__}: {error}"
+                ) from error
+            source = {
+                "rg_task": task.name,
+                "rg_options": task.options_json,
+                "rg_seed": seed,
+                "rg_size": size,
+                "rg_index": i,
+            }
             rows.append(GymRow(str(entry["question"]), str(entry["answer"]), source))
     return rows
 
 
-def entry_of(extra_info: dict) -> tuple[object, dict]:
+def entry_of(extra_info: dict) -> tuple[Any, dict]:
     """The dataset and entry a row came from, regenerated from its extra_info."""
-    data = dataset(extra_info["rg_task"], extra_info["rg_options"], int(extra_info["rg_seed"]), int(extra_info["rg_size"]))
+    data = dataset(
+        extra_info["rg_task"], extra_info["rg_options"], int(extra_info["rg_seed"]), int(extra_info["rg_size"])
+    )
     return data, data[int(extra_info["rg_index"])]

@@ -184,8 +184,15 @@ def dapo(log_prob, old_log_prob, advantages, response_mask, config) -> tuple[tor
     """DAPO's decoupled clip, L_{i,t} = -min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)
     with eps_low = config.clip_low, eps_high = config.clip_high, and the dual clip at
     config.clip_ratio_c (clipped_token_loss)."""
-    return clipped_token_loss(log_prob, old_log_prob, advantages, response_mask,
-                              clip_low=config.clip_low, clip_high=config.clip_high, clip_ratio_c=config.clip_ratio_c)
+    return clipped_token_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        clip_ratio_c=config.clip_ratio_c,
+    )
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -67,14 +67,18 @@ def memory_breakdown(config, trainer, engine) -> dict[str, float]:
     engine_dtype_bytes = 2 if engine.dtype in ("bfloat16", "float16", "half") else 4
     hf = trainer.hf_config()
     micro_tokens = config.max_tokens_per_micro_batch or trainer.forward_micro_batch_size * (
-        config.max_prompt_length + config.max_response_length)
+        config.max_prompt_length + config.max_response_length
+    )
     parts = {
         "weights": weight_bytes / GIB,
         "gradients": trainable * 4 / GIB,
         "optimizer state": optimizer_state_bytes(getattr(trainer, "optimizer", None)) / GIB,
         "engine weights": count * engine_dtype_bytes / GIB,
         "KV cache": (getattr(engine, "kv_cache_bytes", None) or 0) / GIB,
-        "activations": activation_bytes(hf, micro_tokens, config.max_response_length / (config.max_prompt_length + config.max_response_length)) / GIB,
+        "activations": activation_bytes(
+            hf, micro_tokens, config.max_response_length / (config.max_prompt_length + config.max_response_length)
+        )
+        / GIB,
     }
     now, peak = resident_gib()
     return {**parts, "rest": max(0.0, peak - sum(parts.values())), "resident": now, "peak resident": peak}
@@ -82,9 +86,17 @@ def memory_breakdown(config, trainer, engine) -> dict[str, float]:
 
 def breakdown_line(parts: dict[str, float], config, engine) -> str:
     """The breakdown as the one line printed at the first step."""
-    kv = (f" ({engine.max_concurrent_sequences} sequences x {engine.max_model_len} tokens)"
-          if getattr(engine, "max_concurrent_sequences", None) else "")
-    held = ", ".join(f"{name} {gib:.2f}{kv if name == 'KV cache' else ''}" for name, gib in parts.items()
-                     if name not in ("resident", "peak resident"))
-    return (f"memory at the first step (GiB; {config.dtype} training, AdamW): {held}; "
-            f"resident {parts['resident']:.2f}, peak {parts['peak resident']:.2f}")
+    kv = (
+        f" ({engine.max_concurrent_sequences} sequences x {engine.max_model_len} tokens)"
+        if getattr(engine, "max_concurrent_sequences", None)
+        else ""
+    )
+    held = ", ".join(
+        f"{name} {gib:.2f}{kv if name == 'KV cache' else ''}"
+        for name, gib in parts.items()
+        if name not in ("resident", "peak resident")
+    )
+    return (
+        f"memory at the first step (GiB; {config.dtype} training, AdamW): {held}; "
+        f"resident {parts['resident']:.2f}, peak {parts['peak resident']:.2f}"
+    )

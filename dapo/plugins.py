@@ -31,8 +31,10 @@ def resolve(spec: str, registry: Mapping[str, Callable], kind: str) -> Callable:
     """The function `spec` names: a registry entry, or a user's function (load_user_function)."""
     if not is_user_spec(spec):
         if spec not in registry:
-            raise PluginError(f"unknown {kind} {spec!r}: choose one of {sorted(registry)}, "
-                              "or name your own as 'package.module:function' or 'path/to/file.py:function'")
+            raise PluginError(
+                f"unknown {kind} {spec!r}: choose one of {sorted(registry)}, "
+                "or name your own as 'package.module:function' or 'path/to/file.py:function'"
+            )
         return registry[spec]
     return load_user_function(spec, kind)
 
@@ -50,6 +52,8 @@ def load_user_function(spec: str, kind: str = "function") -> Callable:
             raise PluginError(f"{kind} {spec!r}: no file {path}")
         module_name = f"dapo_user_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise PluginError(f"{kind} {spec!r}: {path} cannot be loaded as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # dataclasses and pickling look their module up here
         module_spec.loader.exec_module(module)
@@ -57,7 +61,9 @@ def load_user_function(spec: str, kind: str = "function") -> Callable:
         try:
             module = importlib.import_module(where)
         except ImportError as error:
-            raise PluginError(f"{kind} {spec!r}: cannot import {where!r} ({error}); is its directory on PYTHONPATH?") from error
+            raise PluginError(
+                f"{kind} {spec!r}: cannot import {where!r} ({error}); is its directory on PYTHONPATH?"
+            ) from error
     function = getattr(module, name, None)
     if not callable(function):
         raise PluginError(f"{kind} {spec!r}: {where} has no function {name!r}")
@@ -67,8 +73,11 @@ def load_user_function(spec: str, kind: str = "function") -> Callable:
 def named_functions(config) -> list[tuple[str, str, str]]:
     """(field, spec, kind) of every function the config names: reward_fn, each scorer of
     reward_fn_by_source, loss_fn."""
-    return [("reward_fn", config.reward_fn, "scorer"), ("loss_fn", config.loss_fn, "policy loss"),
-            *((f"reward_fn_by_source[{source!r}]", spec, "scorer") for source, spec in config.reward_fn_by_source.items())]
+    return [
+        ("reward_fn", config.reward_fn, "scorer"),
+        ("loss_fn", config.loss_fn, "policy loss"),
+        *((f"reward_fn_by_source[{source!r}]", spec, "scorer") for source, spec in config.reward_fn_by_source.items()),
+    ]
 
 
 def check_named_functions(config) -> None:
@@ -78,7 +87,7 @@ def check_named_functions(config) -> None:
     from dapo.loss import POLICY_LOSSES
     from dapo.rewards import SCORERS
 
-    registries = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
+    registries: dict[str, Mapping[str, Callable]] = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
     for field, spec, kind in named_functions(config):
         try:
             resolve(spec, registries[kind], kind)
@@ -98,6 +107,8 @@ def user_code_digest(config) -> str:
     digest = hashlib.sha256()
     for spec, kind in specs:
         module = sys.modules[load_user_function(spec, kind).__module__]  # as check_named_functions loaded it
+        if module.__file__ is None:
+            raise PluginError(f"{kind} {spec!r}: its module {module.__name__!r} has no file to hash")
         path = Path(module.__file__).resolve()
         data_files = [path.parent / name for name in getattr(module, "DAPO_DATA_FILES", ())]
         digest.update(spec.encode())
@@ -114,7 +125,12 @@ def user_code_files(path: Path) -> list[Path]:
         return [path]
     files = []
     for folder, subfolders, names in os.walk(path.parent):
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "__pycache__"))
-                               and not (Path(folder) / d / "pyvenv.cfg").exists() and d not in ("site-packages", "node_modules"))
+        subfolders[:] = sorted(
+            d
+            for d in subfolders
+            if not d.startswith((".", "__pycache__"))
+            and not (Path(folder) / d / "pyvenv.cfg").exists()
+            and d not in ("site-packages", "node_modules")
+        )
         files += [Path(folder) / name for name in names if name.endswith(".py")]
     return files

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 EOS_TOKEN = "<|endoftext|>"
 # The tiny tokenizer's chat template: the user turns verbatim, then a newline.
 # (A bare newline after a block tag would be trimmed by the chat renderer's trim_blocks.)
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}"
+)
 
 
 @dataclass
@@ -58,7 +61,7 @@ class TinyPolicySpec:
     seed: int = 0
 
     @classmethod
-    def for_task(cls, task: str, warm_start_steps: int, layout_noise: float, seed: int = 0) -> "TinyPolicySpec":
+    def for_task(cls, task: str, warm_start_steps: int, layout_noise: float, seed: int = 0) -> TinyPolicySpec:
         """The embedded policy of a task. long_arithmetic's is warm-started with correct
         layouts (layout_noise unused), half of them wordy: its flaw for RL to fix is length."""
         if task == "long_arithmetic":
@@ -102,7 +105,10 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -162,7 +168,7 @@ def build_tiny_policy(output_dir: str | Path, spec: TinyPolicySpec | None = None
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
     losses = warm_start(model, tokenizer, rng, spec, progress)

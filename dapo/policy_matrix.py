@@ -40,7 +40,8 @@ class PolicyLayout:
     (a Hugging Face directory, or a GGUF source such as SmolLM2's 49k ChatML tokenizer,
     dapo.model_source); the embedding matrices get its vocabulary."""
     architecture: str = "qwen2"
-    """The transformers model class: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM, SmolLM2's and Llama-3.2's)."""
+    """The transformers model class: "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM, SmolLM2's and
+    Llama-3.2's)."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     vocab_size: int = 320
@@ -82,26 +83,44 @@ def chatml_tokenizer(vocab_size: int = 320):
     corpus = [p + r for p, r in warm_start_examples(random.Random(0), 500)]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(CHATML_SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=list(CHATML_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(corpus + ["system", "user", "assistant"], trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=CHATML_EOS, pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"]
+        tokenizer_object=tokenizer,
+        eos_token=CHATML_EOS,
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
     )
     wrapped.chat_template = CHATML_TEMPLATE
     return wrapped
 
 
-QWEN2_5_1_5B_SHAPES = PolicyLayout(tied=True, hidden_size=1536, num_hidden_layers=28, head_dim=128, num_key_value_heads=2,
-                                   intermediate_size=8960, embedding_rows=151936, init_std=0.02)
+QWEN2_5_1_5B_SHAPES = PolicyLayout(
+    tied=True,
+    hidden_size=1536,
+    num_hidden_layers=28,
+    head_dim=128,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    embedding_rows=151936,
+    init_std=0.02,
+)
 """Qwen2.5-1.5B-Instruct's shapes (1.54B parameters, GQA 12:2, head_dim 128, tied), random weights."""
 
 
-def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), device: str = "cpu", dtype: str = "float32") -> str:
+def build_policy(
+    output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), device: str = "cpu", dtype: str = "float32"
+) -> str:
     """A random-init Qwen2 of this layout, with its tokenizer, saved as safetensors in output_dir
     (built on device in dtype: a GPU builds a 1.5B model in seconds)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -111,14 +130,17 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), 
     elif layout.chatml:
         tokenizer = chatml_tokenizer(layout.vocab_size)
     else:
-        from dapo.policy import TinyPolicySpec, build_tokenizer, warm_start_examples
         import random
+
+        from dapo.policy import TinyPolicySpec, build_tokenizer, warm_start_examples
 
         corpus = [p + r for p, r in warm_start_examples(random.Random(0), 500)]
         tokenizer = build_tokenizer(corpus, min(layout.vocab_size, TinyPolicySpec.vocab_size))
     torch.manual_seed(layout.seed)
     heads = max(1, layout.hidden_size // layout.head_dim)
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[layout.architecture]
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        layout.architecture
+    ]
     config = config_class(
         vocab_size=layout.embedding_rows or len(tokenizer),
         hidden_size=layout.hidden_size,
@@ -144,7 +166,9 @@ def build_policy(output_dir: str | Path, layout: PolicyLayout = PolicyLayout(), 
 
         from dapo.policy import TinyPolicySpec, warm_start
 
-        spec = TinyPolicySpec(warm_start_steps=layout.warm_start_steps, warm_start_batch=16, warm_start_lr=3e-3, seed=layout.seed)
+        spec = TinyPolicySpec(
+            warm_start_steps=layout.warm_start_steps, warm_start_batch=16, warm_start_lr=3e-3, seed=layout.seed
+        )
         warm_start(model, tokenizer, random.Random(layout.seed), spec)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -60,6 +60,7 @@ STEP_PARTS = (("rollout/seconds", "gen"), ("reward/seconds", "score"), ("policy_
 
 def step_line(metrics: dict) -> str:
     """One compact line per step for the local console."""
+
     def get(key: str, fmt: str) -> str:
         return format(metrics[key], fmt) if key in metrics else "-"
 
@@ -76,6 +77,5 @@ def step_line(metrics: dict) -> str:
         f"| reward {get('train/reward_mean', '+.3f')} | entropy {get('actor/entropy', '.3f')} "
         f"| kept {get('sampling/kept_ratio', '.2f')} in {get('sampling/rounds', '.0f')} round(s) "
         f"| truncated {get('train/truncated_frac', '.2f')} "
-        f"| took {get('step/seconds', '.1f')} s{timing}"
-        + unverified
+        f"| took {get('step/seconds', '.1f')} s{timing}" + unverified
     )

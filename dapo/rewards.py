@@ -47,16 +47,16 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import multiprocessing.util
+import numbers
 import os
 import re
 import resource
 import signal
 import threading
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
@@ -148,7 +148,8 @@ def _braced_argument(s: str, i: int) -> tuple[str, int] | None:
     (``\\{``) do not count. Work is bounded by MAX_BOXED_CHARS whatever the input.
     """
     n = len(s)
-    i = _SPACES_RE.match(s, i).end()  # "\\boxed {x}"; a regex, not a Python loop, on long blanks
+    blanks = _SPACES_RE.match(s, i)  # "\\boxed {x}"; a regex, not a Python loop, on long blanks
+    i = blanks.end() if blanks else i
     if i >= n:
         return None
     if s[i] != "{":
@@ -470,8 +471,10 @@ class _VerifierPool:
             except _WorkerDied as died:
                 deaths += 1
                 if deaths == _MAX_WORKER_DEATHS:
-                    raise ScorerError(f"{what} killed a verifier worker {deaths} times ({died}): no verdict is possible "
-                                      "for this response; fix the scorer (or raise DAPO_VERIFY_MAX_MEM_MB)") from None
+                    raise ScorerError(
+                        f"{what} killed a verifier worker {deaths} times ({died}): no verdict is possible "
+                        "for this response; fix the scorer (or raise DAPO_VERIFY_MAX_MEM_MB)"
+                    ) from None
                 logger.warning("%s killed its verifier worker (%s); scoring it once more in a new worker", what, died)
 
     def _running_pool(self) -> pebble.ProcessPool:
@@ -480,7 +483,9 @@ class _VerifierPool:
             if self._unavailable:
                 raise VerifierUnavailable(self._unavailable)
             if self._pool is None:
-                self._pool = pebble.ProcessPool(self.max_workers, initializer=_start_worker, context=_WORKER_START_METHOD)
+                self._pool = pebble.ProcessPool(
+                    self.max_workers, initializer=_start_worker, context=_WORKER_START_METHOD
+                )
                 # Stop it at exit, before multiprocessing joins the (non-daemon) workers, which
                 # would wait forever: pebble's own atexit hook does not run in a process that
                 # multiprocessing started (it leaves by os._exit), only this finalizer does.
@@ -519,7 +524,8 @@ class _VerifierPool:
                     "Check that math-verify imports in a fresh interpreter "
                     "(python -c 'import math_verify') and that DAPO_VERIFY_MAX_MEM_MB leaves it room."
                 )
-        stop()
+        if stop is not None:
+            stop()
 
 
 class _PoolBroken(Exception):
@@ -615,14 +621,27 @@ def judge_answer(text: str, ground_truth: str, timeout_s: float = 2.0) -> Verdic
     if _PLAIN_NUMBER_RE.fullmatch(norm_pred) and _PLAIN_NUMBER_RE.fullmatch(norm_gold):
         return Verdict(False)  # canonical decimals: different strings are different numbers
     if len(pred) > MAX_VERIFY_CHARS or len(gold) > MAX_VERIFY_CHARS:
-        return Verdict(False, unverified=True, note=f"answer of {max(len(pred), len(gold))} chars, over math-verify's {MAX_VERIFY_CHARS}")
-    ok = _POOL.run(_math_verify, (_as_math_verify_latex(gold), _as_math_verify_latex(pred)), float(timeout_s),
-                   f"math-verify on the answer {pred[:80]!r}")
+        return Verdict(
+            False,
+            unverified=True,
+            note=f"answer of {max(len(pred), len(gold))} chars, over math-verify's {MAX_VERIFY_CHARS}",
+        )
+    ok = _POOL.run(
+        _math_verify,
+        (_as_math_verify_latex(gold), _as_math_verify_latex(pred)),
+        float(timeout_s),
+        f"math-verify on the answer {pred[:80]!r}",
+    )
     if ok is None:
         return Verdict(False, unverified=True, note=f"math-verify gave no verdict within {timeout_s:g} s")
     if isinstance(ok, str):
-        _warn_once("math-verify raised on the answer %r (against %r): %s. Such answers count as wrong and in "
-                   "train/unverified; this message is shown once.", pred[:80], gold[:80], ok)
+        _warn_once(
+            "math-verify raised on the answer %r (against %r): %s. Such answers count as wrong and in "
+            "train/unverified; this message is shown once.",
+            pred[:80],
+            gold[:80],
+            ok,
+        )
         return Verdict(False, unverified=True, note=f"math-verify raised {ok}")
     return Verdict(ok)
 
@@ -704,7 +723,7 @@ def format_reward_weight(step: int, decay_steps: int, initial_weight: float = 1.
 # Task scorers: R_task by name, chosen per row by its data_source
 # ---------------------------------------------------------------------------------------
 
-Scorer = Callable[[str, str, dict], "float | Mapping[str, float]"]
+Scorer = Callable[[str, str, dict], "float | Mapping[str, float] | TaskScore"]
 """A task's reward: scorer(response, ground_truth, extra_info) -> a score, or a dict with
 "score" and any named metrics (floats). An "acc" entry (1/0) is what dynamic sampling
 filters on (else acc = 1 when score > 0); "unverified" (1/0) marks a verdict the scorer
@@ -728,12 +747,14 @@ def register_scorer(name: str) -> Callable[[Scorer], Scorer]:
 
 
 @register_scorer("dapo_math")
-def dapo_math(response: str, ground_truth: str, extra_info: dict) -> dict[str, float]:
+def dapo_math(response: str, ground_truth: str, extra_info: dict) -> TaskScore:
     """DAPO's rule-based reward (sec. 2.4): R_correct = +1 if is_equivalent(ŷ, a) else -1,
     with ŷ the answer on the last "Answer:" line (else the last \\boxed{}), equal to `a`
     after normalize_answer or by math-verify (judge_answer)."""
     verdict = judge_answer(response, ground_truth)
-    return TaskScore(1.0 if verdict.correct else -1.0, float(verdict.correct), float(verdict.unverified), note=verdict.note)
+    return TaskScore(
+        1.0 if verdict.correct else -1.0, float(verdict.correct), float(verdict.unverified), note=verdict.note
+    )
 
 
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
@@ -760,17 +781,25 @@ def reasoning_gym(response: str, ground_truth: str, extra_info: dict) -> dict[st
     try:
         data, entry = entry_of(extra_info)
     except KeyError as error:
-        raise ScorerError(f"scorer 'reasoning_gym': the row has no {error} in extra_info (not made from a reasoning_gym: spec)") from error
+        raise ScorerError(
+            f"scorer 'reasoning_gym': the row has no {error} in extra_info (not made from a reasoning_gym: spec)"
+        ) from error
     answer = extract_answer(response)
     try:
         raw = data.score_answer(answer, entry)
     except Exception as error:
-        raise ScorerError(f"reasoning-gym task {task!r}: score_answer raised {type(error).__name__}: {error}") from error
+        raise ScorerError(
+            f"reasoning-gym task {task!r}: score_answer raised {type(error).__name__}: {error}"
+        ) from error
     if isinstance(raw, bool) or not isinstance(raw, numbers.Real) or not math.isfinite(raw):
         raise ScorerError(f"reasoning-gym task {task!r}: score_answer returned {raw!r}, not a finite number")
-    correct = answer is not None and raw >= 1.0
-    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "rg_score": float(raw),
-            "last_number": last_number_matches(response, ground_truth)}
+    correct = answer is not None and float(raw) >= 1.0
+    return {
+        "score": 1.0 if correct else -1.0,
+        "acc": float(correct),
+        "rg_score": float(raw),
+        "last_number": last_number_matches(response, ground_truth),
+    }
 
 
 class ScorerError(RuntimeError):
@@ -791,7 +820,7 @@ class TaskScore:
     """Why there is no verdict, when unverified."""
 
     @classmethod
-    def of(cls, result: object, scorer: str) -> "TaskScore":
+    def of(cls, result: object, scorer: str) -> TaskScore:
         """A scorer's return value (a score, a dict of them, or a TaskScore) as a TaskScore;
         ScorerError when it is not a score."""
         if isinstance(result, TaskScore):
@@ -807,7 +836,13 @@ class TaskScore:
         score = numbers.pop("score")
         acc = numbers.pop("acc", 1.0 if score > 0 else 0.0)
         unverified = numbers.pop("unverified", 0.0)
-        return cls(score, acc, unverified, tuple(sorted(numbers.items())), note=f"scorer {scorer!r} said unverified" if unverified else "")
+        return cls(
+            score,
+            acc,
+            unverified,
+            tuple(sorted(numbers.items())),
+            note=f"scorer {scorer!r} said unverified" if unverified else "",
+        )
 
 
 def _user_score_in_worker(spec: str, response: str, ground_truth: str, extra_info: dict) -> tuple[str, object]:
@@ -828,10 +863,16 @@ def task_score(spec: str, response: str, ground_truth: str, extra_info: dict, ti
     or memory-hungry scorer cannot stall or kill the task. Raises ScorerError."""
     if not is_user_spec(spec):
         return TaskScore.of(resolve_plugin(spec, SCORERS, "scorer")(response, ground_truth, extra_info), spec)
-    outcome = _POOL.run(_user_score_in_worker, (spec, response, ground_truth, extra_info), timeout_s,
-                        f"scorer {spec!r} on a response starting {response[:80]!r}")
+    outcome = _POOL.run(
+        _user_score_in_worker,
+        (spec, response, ground_truth, extra_info),
+        timeout_s,
+        f"scorer {spec!r} on a response starting {response[:80]!r}",
+    )
     if outcome is None:  # DAPO's wrong answer, counted in train/unverified as math-verify's missing verdicts are
-        return TaskScore(score=-1.0, acc=0.0, unverified=1.0, note=f"scorer {spec!r} gave no verdict within {timeout_s:g} s")
+        return TaskScore(
+            score=-1.0, acc=0.0, unverified=1.0, note=f"scorer {spec!r} gave no verdict within {timeout_s:g} s"
+        )
     status, value = outcome
     if status == "error":
         raise ScorerError(f"scorer {spec!r} failed on a response starting {response[:80]!r}:\n{value}")
@@ -894,7 +935,9 @@ def score_responses(
     extra_infos = extra_infos or [{}] * n
 
     def one(i: int) -> dict[str, object]:
-        return score_response(texts[i], ground_truths[i], response_lengths[i], scorer=scorers[i], extra_info=extra_infos[i], **settings)
+        return score_response(
+            texts[i], ground_truths[i], response_lengths[i], scorer=scorers[i], extra_info=extra_infos[i], **settings
+        )
 
     with ThreadPoolExecutor(2 * _POOL.max_workers) as threads:
         return list(threads.map(one, range(n)))

@@ -46,7 +46,9 @@ ROLLOUT_CORRECTIONS: dict[str, RolloutCorrection | None] = {
 }
 
 
-def log_ratios(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+def log_ratios(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
     """log rho per token (B, R): log pi_old - log pi_rollout, or its sum over the response's
     valid tokens on every token of it (sequence level); 0 where mask is 0."""
     mask = mask.to(old_log_probs.dtype)
@@ -72,7 +74,11 @@ def correction_weights(
     correction = ROLLOUT_CORRECTIONS[name]
     if correction is None:
         return None, metrics
-    rho = torch.exp(log_ratios(old_log_probs.detach(), rollout_log_probs, mask, correction.level).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    rho = torch.exp(
+        log_ratios(old_log_probs.detach(), rollout_log_probs, mask, correction.level).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+        )
+    )
     above = (rho > threshold) & valid
     if correction.above_threshold == "truncate":
         weights = rho.clamp(max=threshold)
@@ -80,10 +86,11 @@ def correction_weights(
         weights = torch.where(above, torch.zeros_like(rho), rho)
     weights = weights * mask.to(weights.dtype)
     kind = "truncated" if correction.above_threshold == "truncate" else "masked"
-    metrics.update({
-        "rollout_corr/weight_mean": masked_mean(weights, mask).item(),
-        "rollout_corr/weight_max": weights.masked_fill(~valid, float("-inf")).max().item() if valid.any() else 0.0,
-        f"rollout_corr/{kind}_fraction": masked_mean(above.to(weights.dtype), mask).item(),
-    })
+    metrics.update(
+        {
+            "rollout_corr/weight_mean": masked_mean(weights, mask).item(),
+            "rollout_corr/weight_max": weights.masked_fill(~valid, float("-inf")).max().item() if valid.any() else 0.0,
+            f"rollout_corr/{kind}_fraction": masked_mean(above.to(weights.dtype), mask).item(),
+        }
+    )
     return weights, metrics
-

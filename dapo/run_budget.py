@@ -63,13 +63,17 @@ class TaskBudget:
         return math.ceil(max(self.attempt_s, self.all_attempts_s / 2) * HEADROOM / 60)
 
     def problem(self) -> str:
-        """"" when the timeout covers the work, else what is wrong, naming the field and the numbers."""
+        """ "" when the timeout covers the work, else what is wrong, naming the field and the numbers."""
         if not self.timeout_minutes or self.timeout_minutes >= self.needed_minutes:
             return ""
-        return (f"cluster.{self.timeout_field}={self.timeout_minutes}: {self.task} needs ~{self.attempt_s / 60:,.0f} min an "
-                f"attempt ({self.work}) and ~{self.all_attempts_s / 60:,.0f} min with its "
-                f"{self.retries} retries and propeller's {SYSTEM_RETRIES} after system failures, which Flyte ends at twice the timeout; with {HEADROOM}x headroom set "
-                f"{self.timeout_field} >= {self.needed_minutes}")
+        return (
+            f"cluster.{self.timeout_field}={self.timeout_minutes}: {self.task} needs "
+            f"~{self.attempt_s / 60:,.0f} min an attempt ({self.work}) "
+            f"and ~{self.all_attempts_s / 60:,.0f} min with its "
+            f"{self.retries} retries and propeller's {SYSTEM_RETRIES} after system failures, which Flyte ends at "
+            f"twice the timeout; with {HEADROOM}x headroom set "
+            f"{self.timeout_field} >= {self.needed_minutes}"
+        )
 
 
 VERL_STEP_TOKENS = 1536 * 16 * (2048 + 20480)
@@ -84,7 +88,9 @@ def step_seconds(config: DAPOConfig) -> float:
     follows tokens, and a config with shorter responses or fewer prompts does less."""
     if config.measured_step_minutes:
         return config.measured_step_minutes * 60
-    tokens = config.prompts_per_round * config.n_samples_per_prompt * (config.max_prompt_length + config.max_response_length)
+    tokens = (
+        config.prompts_per_round * config.n_samples_per_prompt * (config.max_prompt_length + config.max_response_length)
+    )
     return cost.compute_s(cost.Model.of(config)) * tokens / VERL_STEP_TOKENS
 
 
@@ -101,7 +107,9 @@ def task_budgets(config: DAPOConfig) -> list[TaskBudget]:
     _, trainer_restart = cost.trainer_restart(model, scenario)
     retries = config.task_retries
 
-    def budget(task: str, seconds: float, work: str, retry_s: float | None = None, field: str = "stage_timeout_minutes") -> TaskBudget:
+    def budget(
+        task: str, seconds: float, work: str, retry_s: float | None = None, field: str = "stage_timeout_minutes"
+    ) -> TaskBudget:
         timeout = getattr(config, field)
         return TaskBudget(task, field, timeout, seconds, seconds if retry_s is None else retry_s, retries, work)
 
@@ -122,16 +130,30 @@ def task_budgets(config: DAPOConfig) -> list[TaskBudget]:
         field = "chunk_timeout_minutes" if config.chunk_timeout_minutes else "stage_timeout_minutes"
         # records on trainer_shared_dir outlive a pod; without it they are on the lost pod's disk
         redone = min(every, steps) if config.trainer_shared_dir else steps
-        resumes = f"a retry resumes from its last record, <= {redone} steps back" if redone < steps else "a retry starts it again"
-        budgets.append(budget(
-            "a colocated chunk", chunk(steps), f"{steps} steps of {per_step / 60:.1f} min (steps_per_chunk, val_every) + {restarts}; "
-            + resumes, retry_s=chunk(redone), field=field,
-        ))
+        resumes = (
+            f"a retry resumes from its last record, <= {redone} steps back"
+            if redone < steps
+            else "a retry starts it again"
+        )
+        budgets.append(
+            budget(
+                "a colocated chunk",
+                chunk(steps),
+                f"{steps} steps of {per_step / 60:.1f} min (steps_per_chunk, val_every) + {restarts}; " + resumes,
+                retry_s=chunk(redone),
+                field=field,
+            )
+        )
     else:
         update, generate = cost.UPDATE_SHARE * step, (1 - cost.UPDATE_SHARE) * step
         budgets.append(budget("policy_step", trainer_restart + update, f"{update / 60:.1f} min of update + {restarts}"))
-        budgets.append(budget("rollout", weights + engine_start + generate,
-                              f"{generate / 60:.1f} min of generation + the weights down and a vLLM start"))
+        budgets.append(
+            budget(
+                "rollout",
+                weights + engine_start + generate,
+                f"{generate / 60:.1f} min of generation + the weights down and a vLLM start",
+            )
+        )
     return budgets
 
 
@@ -145,8 +167,13 @@ def check_run_budget(config: DAPOConfig) -> None:
 
 def budget_lines(config: DAPOConfig) -> list[str]:
     """The budget as a markdown table."""
-    rows = ["| task | timeout field | timeout min | attempt min | with retries min | needs min |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| task | timeout field | timeout min | attempt min | with retries min | needs min |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for b in task_budgets(config):
-        rows.append(f"| {b.task} | {b.timeout_field} | {b.timeout_minutes} | {b.attempt_s / 60:,.0f} "
-                    f"| {b.all_attempts_s / 60:,.0f} | {b.needed_minutes:,} |")
+        rows.append(
+            f"| {b.task} | {b.timeout_field} | {b.timeout_minutes} | {b.attempt_s / 60:,.0f} "
+            f"| {b.all_attempts_s / 60:,.0f} | {b.needed_minutes:,} |"
+        )
     return rows

@@ -61,10 +61,18 @@ class SamplingState:
     """Why, for the first MAX_UNVERIFIED_NOTES of them."""
 
     def after_round(
-        self, generated_groups: int, kept_groups: int, *, target_groups: int, max_rounds: int,
-        rollout_tokens: float = 0.0, rollout_seconds: float = 0.0, reward_seconds: float = 0.0,
-        scored_responses: int = 0, unverified_notes: list[str] = (),
-    ) -> "SamplingState":
+        self,
+        generated_groups: int,
+        kept_groups: int,
+        *,
+        target_groups: int,
+        max_rounds: int,
+        rollout_tokens: float = 0.0,
+        rollout_seconds: float = 0.0,
+        reward_seconds: float = 0.0,
+        scored_responses: int = 0,
+        unverified_notes: Sequence[str] = (),
+    ) -> SamplingState:
         """The state after one more round that generated and kept the given numbers of groups
         and scored `scored_responses`, of which len(unverified_notes) got no verdict.
 
@@ -100,5 +108,5 @@ class SamplingState:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "SamplingState":
+    def from_json(cls, text: str) -> SamplingState:
         return cls(**json.loads(text)) if text else cls()

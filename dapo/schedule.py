@@ -17,8 +17,12 @@ def chunk_ranges(config: DAPOConfig) -> list[tuple[int, int]]:
     validation costs that mode one trainer and engine start (choose val_every as a multiple
     of steps_per_chunk where starts are expensive)."""
     n = config.steps_per_chunk
-    ends = set(range(n, config.total_steps, n)) | {config.total_steps}
+    end_set = set(range(n, config.total_steps, n)) | {config.total_steps}
     if config.execution == "colocated":
-        ends |= {step for step in range(1, config.total_steps) if is_validation_step(step, config.val_every, config.total_steps)}
-    ends = sorted(ends)
+        end_set |= {
+            step
+            for step in range(1, config.total_steps)
+            if is_validation_step(step, config.val_every, config.total_steps)
+        }
+    ends = sorted(end_set)
     return list(zip([0, *ends[:-1]], ends))

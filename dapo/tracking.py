@@ -23,10 +23,10 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -61,7 +61,7 @@ environment is the user's and is never overridden."""
 def _mlflow_env(values: dict[str, str]):
     """Set MLflow's client variables for the calls inside (MLflow reads them at each
     request), except those the user set; nested scopes override outer ones and restore them."""
-    previous = {}
+    previous: dict[str, str | None] = {}
     for key, value in values.items():
         if key in os.environ and _ours.get(key) != os.environ[key]:
             continue  # the user's
@@ -70,12 +70,12 @@ def _mlflow_env(values: dict[str, str]):
     try:
         yield
     finally:
-        for key, value in previous.items():
-            if value is None:
+        for key, earlier in previous.items():
+            if earlier is None:
                 os.environ.pop(key, None)
                 _ours.pop(key, None)
             else:
-                os.environ[key] = _ours[key] = value
+                os.environ[key] = _ours[key] = earlier
 
 
 def fast_fail():
@@ -117,7 +117,12 @@ def params_record(params: dict[str, Any]) -> dict:
 
 
 def metrics_record(step: int, metrics: dict[str, float]) -> dict:
-    return {"kind": "metrics", "step": int(step), "values": {k: float(v) for k, v in metrics.items()}, "time": time.time()}
+    return {
+        "kind": "metrics",
+        "step": int(step),
+        "values": {k: float(v) for k, v in metrics.items()},
+        "time": time.time(),
+    }
 
 
 def table_record(artifact_file: str, rows: list[dict]) -> dict:
@@ -132,8 +137,14 @@ def artifact_record(local_path: str | Path, artifact_path: str = "") -> dict:
 def register_record(model_name: str, checkpoint_uri: str, step: int, val_acc: float, execution: str = "") -> dict:
     """checkpoint_uri: a local directory, or a remote URI that `materialize` turns into one;
     execution: the Flyte execution that trained it (named in the version's description)."""
-    return {"kind": "register", "model_name": model_name, "checkpoint_uri": checkpoint_uri, "step": int(step),
-            "val_acc": float(val_acc), "execution": execution}
+    return {
+        "kind": "register",
+        "model_name": model_name,
+        "checkpoint_uri": checkpoint_uri,
+        "step": int(step),
+        "val_acc": float(val_acc),
+        "execution": execution,
+    }
 
 
 def servable_files(checkpoint_dir: str | Path) -> list[Path]:
@@ -178,15 +189,21 @@ class Tracker:
             if experiment is None:
                 return None
             experiment_id = experiment.experiment_id
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.target.run_key}'", max_results=1)
+        runs = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.target.run_key}'", max_results=1
+        )
         return runs[0] if runs else None
 
     def _find_or_create_run(self) -> str:
         experiment = self.client.get_experiment_by_name(self.target.experiment)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(self.target.experiment)
+        experiment_id = (
+            experiment.experiment_id if experiment else self.client.create_experiment(self.target.experiment)
+        )
         run = self.find_run(experiment_id)
         if run is None:
-            run = self.client.create_run(experiment_id, run_name=self.target.run_name, tags={RUN_KEY_TAG: self.target.run_key})
+            run = self.client.create_run(
+                experiment_id, run_name=self.target.run_name, tags={RUN_KEY_TAG: self.target.run_key}
+            )
         elif run.info.status != "RUNNING":  # an ended run that an execution extends or resumes
             self.client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
@@ -239,6 +256,8 @@ class Tracker:
         outlive the run."""
         from mlflow.exceptions import MlflowException
 
+        if self.materialize is None:
+            raise ValueError("a registration needs a task that can hold the weights (materialize)")
         name = record["model_name"]
         try:
             model = self.client.get_registered_model(name)
@@ -259,9 +278,13 @@ class Tracker:
             for path in servable_files(self.materialize(record["checkpoint_uri"])):
                 self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
         source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
-        description = f"step {record['step']} of Flyte execution {record.get('execution', '?')}; checkpoint {record['checkpoint_uri']}"
+        execution = record.get("execution", "?")
+        description = f"step {record['step']} of Flyte execution {execution}; checkpoint {record['checkpoint_uri']}"
         version = self.client.create_model_version(
-            name, source=source, run_id=self.run_id, description=description,
+            name,
+            source=source,
+            run_id=self.run_id,
+            description=description,
             tags={"step": str(record["step"]), "val_acc": f"{record['val_acc']:.6f}"},
         )
         self.client.set_registered_model_alias(name, NEWEST_ALIAS, version.version)
@@ -281,7 +304,8 @@ class Tracker:
 # killer, SIGKILL/SIGTERM (exit codes 137/143), a preempted node ("Interrupted"), eviction,
 # an expired task timeout, an abort.
 KILLED_PATTERN = re.compile(
-    r"OOMKilled|exit code \(?(137|143)\)?|SIGKILL|SIGTERM|\bInterrupted\b|preempt|\bevicted\b|timeout.*expired|\baborted\b",
+    r"OOMKilled|exit code \(?(137|143)\)?|SIGKILL|SIGTERM|\bInterrupted\b|preempt|\bevicted\b"
+    r"|timeout.*expired|\baborted\b",
     re.IGNORECASE,
 )
 
@@ -382,14 +406,22 @@ def deliver(
                     continue
                 logger.warning(
                     "MLflow at %s unavailable for a %s record (%s: %s); kept for a later delivery",
-                    target.tracking_uri, record["kind"], type(error).__name__, str(error)[:200],
+                    target.tracking_uri,
+                    record["kind"],
+                    type(error).__name__,
+                    str(error)[:200],
                 )
                 if registering:
                     left.append(record)
                     continue
                 return left + records[index:]
     except Exception as error:
-        logger.warning("MLflow at %s unavailable (%s); %d record(s) kept for a later delivery", target.tracking_uri, error, len(records))
+        logger.warning(
+            "MLflow at %s unavailable (%s); %d record(s) kept for a later delivery",
+            target.tracking_uri,
+            error,
+            len(records),
+        )
         return list(records)
     return left
 

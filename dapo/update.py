@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from dapo.advantages import group_advantages, group_index
 from dapo.batch import PolicyBatch, collate_table
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 from dapo.loss import LOSS_AGGREGATIONS, POLICY_LOSSES, masked_mean
 from dapo.micro_batches import plan_micro_batches
 from dapo.plugins import resolve as resolve_plugin
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def lr_at(config: DAPOConfig, step: int) -> float:
+def lr_at(config: StepConfig, step: int) -> float:
     """Linear warm-up over ``warmup_steps`` policy steps (step 0 gets lr / warmup_steps), then constant."""
     if config.warmup_steps <= 0:
         return config.lr
@@ -60,7 +60,8 @@ def lr_at(config: DAPOConfig, step: int) -> float:
 
 
 def shuffle_seed(seed: int, step: int, epoch: int) -> int:
-    """The seed of the mini-batch order of (seed, step, epoch): a hash, so that neighbouring values give unrelated orders."""
+    """The seed of the mini-batch order of (seed, step, epoch): a hash, so that neighbouring values give unrelated
+    orders."""
     digest = hashlib.sha256(f"dapo-minibatch:{seed}:{step}:{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -79,7 +80,7 @@ class StepData:
     rollout_weights: torch.Tensor | None = None  # (B, R) rollout correction w_{i,t}; None: off
 
 
-def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, temperature: float) -> StepData:
+def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: StepConfig, temperature: float) -> StepData:
     """Advantages, collated tensors, old log-probs (no grad) and the loss mask."""
     if scored.num_rows == 0:
         raise ValueError("policy_update needs a non-empty scored batch")
@@ -101,7 +102,9 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
         old_log_probs, rollout_log_probs, compared, config.rollout_correction, config.rollout_correction_threshold
     )
     if rollout_weights is not None:
-        rollout_weights = torch.where(covered.unsqueeze(-1), rollout_weights, response_mask)  # rows without rollout log-probs: 1
+        rollout_weights = torch.where(
+            covered.unsqueeze(-1), rollout_weights, response_mask
+        )  # rows without rollout log-probs: 1
 
     index = group_index(group_ids)
     group_rows = [(index == g).nonzero().flatten() for g in range(int(index.max()) + 1)]
@@ -118,13 +121,16 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, t
         "groups": float(len(group_rows)),
         "old_log_prob_seconds": log_prob_seconds,
         "rollout_logprob_diff": masked_mean((old_log_probs - rollout_log_probs).abs(), compared).item()
-        if compared.any() else float("nan"),
+        if compared.any()
+        else float("nan"),
         **correction_metrics,
     }
     return StepData(batch, advantages, old_log_probs, entropy, loss_mask, group_rows, metrics, rollout_weights)
 
 
-def rollout_log_prob_tensor(scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout_log_prob_tensor(
+    scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rollout engine's log-probs (B, R) beside the trainer's, and which rows have them for
     their whole response (covered, (B,)); an uncovered row holds the trainer's own."""
     rollout = old_log_probs.detach().clone()
@@ -138,7 +144,7 @@ def rollout_log_prob_tensor(scored: pa.Table, old_log_probs: torch.Tensor, respo
 
 
 def minibatch_backward(
-    trainer: PolicyTrainer, data: StepData, rows: torch.Tensor, config: DAPOConfig, temperature: float
+    trainer: PolicyTrainer, data: StepData, rows: torch.Tensor, config: StepConfig, temperature: float
 ) -> dict[str, float] | None:
     """Accumulate the gradient of one mini-batch's loss over micro-batches (no optimizer step).
 
@@ -150,6 +156,7 @@ def minibatch_backward(
     """
     loss_fn = resolve_plugin(config.loss_fn, POLICY_LOSSES, "policy loss")
     aggregation = LOSS_AGGREGATIONS[config.loss_agg_mode]
+
     def units(mask: torch.Tensor) -> float:
         """What the aggregation averages over: valid tokens, or responses with a valid token."""
         return (mask.sum(dim=-1) > 0).sum().item() if aggregation.unit == "sequence" else mask.sum().item()
@@ -160,8 +167,13 @@ def minibatch_backward(
     if total_units == 0:
         return None
     chunks, per_rank = plan_micro_batches(
-        data.batch, rows, micro_batch_size=config.micro_batch_size, max_tokens=config.max_tokens_per_micro_batch,
-        packed=config.remove_padding, rank=trainer.rank, world_size=trainer.world_size,
+        data.batch,
+        rows,
+        micro_batch_size=config.micro_batch_size,
+        max_tokens=config.max_tokens_per_micro_batch,
+        packed=config.remove_padding,
+        rank=trainer.rank,
+        world_size=trainer.world_size,
     )
     mine = [(c, True) for c in chunks]
     mine += [(rows[:1], False)] * (per_rank - len(mine))  # zero-weight filler: same collectives on every rank
@@ -224,7 +236,11 @@ class RolloutGapExceeded(RuntimeError):
 
 
 def policy_update(
-    trainer: PolicyTrainer, scored: pa.Table, config: DAPOConfig, step: int, temperature: float,
+    trainer: PolicyTrainer,
+    scored: pa.Table,
+    config: StepConfig,
+    step: int,
+    temperature: float,
     max_rollout_gap: float | None = None,
 ) -> dict[str, float]:
     """One DAPO policy step on a scored batch (SCORED_SCHEMA rows); returns float metrics.
@@ -268,7 +284,11 @@ def policy_update(
             if not ok:
                 nonfinite += 1
                 logger.warning(
-                    "step %d epoch %d: update refused (loss %s, grad norm %s)", step, epoch, result["pg_loss"], grad_norm
+                    "step %d epoch %d: update refused (loss %s, grad norm %s)",
+                    step,
+                    epoch,
+                    result["pg_loss"],
+                    grad_norm,
                 )
                 continue
             applied += 1

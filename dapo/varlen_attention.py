@@ -31,14 +31,23 @@ def sdpa_varlen_attention(
     """query (1, heads, T, d), key and value (1, kv_heads, T, d) -> (1, T, heads, d), as
     transformers' sdpa_attention_forward returns it."""
     if query.shape[0] != 1 or position_ids is None or attention_mask is not None:
-        raise ValueError(f"{NAME} attends packed sequences only (remove_padding: one row of rows end to end, "
-                         f"positions restarting per row, no mask); got a batch of {query.shape[0]}")
+        raise ValueError(
+            f"{NAME} attends packed sequences only (remove_padding: one row of rows end to end, "
+            f"positions restarting per row, no mask); got a batch of {query.shape[0]}"
+        )
     length = query.shape[2]
     starts = (position_ids[0] == 0).nonzero().flatten().tolist()
     bounds = list(zip(starts, starts[1:] + [length])) if starts and starts[0] == 0 else [(0, length)]
     rows = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                       scale=scaling, dropout_p=dropout, enable_gqa=True)
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            is_causal=True,
+            scale=scaling,
+            dropout_p=dropout,
+            enable_gqa=True,
+        )
         for a, b in bounds
     ]
     return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None

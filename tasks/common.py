@@ -65,7 +65,13 @@ def _gib(n_bytes: float) -> str:
 
 
 def node_settings(
-    config: DAPOConfig, *, cpu: int, mem_gib: int, disk_bytes: float = 0, gpus: int = 0, timeout_minutes: int | None = None
+    config: DAPOConfig,
+    *,
+    cpu: int,
+    mem_gib: int,
+    disk_bytes: float = 0,
+    gpus: int = 0,
+    timeout_minutes: int | None = None,
 ) -> dict:
     """`with_overrides` arguments that shape one pod from the run's config.
 
@@ -76,7 +82,9 @@ def node_settings(
     so a node's disk and memory are never overcommitted (an overcommitted pod is the
     first evicted). timeout_minutes: one attempt's limit (None = stage_timeout_minutes, 0 = none).
     """
-    resources = Resources(cpu=str(cpu), mem=f"{mem_gib}Gi", gpu=str(gpus) if gpus else None, ephemeral_storage=_gib(disk_bytes))
+    resources = Resources(
+        cpu=str(cpu), mem=f"{mem_gib}Gi", gpu=str(gpus) if gpus else None, ephemeral_storage=_gib(disk_bytes)
+    )
     settings: dict = {
         "requests": resources,
         "limits": resources,
@@ -95,8 +103,13 @@ def rollout_settings(config: DAPOConfig) -> dict:
     """A rollout or validation pod: tensor_parallel_size GPUs, 8 CPUs and 64 GiB each,
     disk for the weights (never the trainer state: download_weights)."""
     gpus = config.tensor_parallel_size
-    return node_settings(config, cpu=ROLLOUT_PER_GPU["cpu"] * gpus, mem_gib=ROLLOUT_PER_GPU["mem_gib"] * gpus, gpus=gpus,
-                         disk_bytes=config.weights_bytes)
+    return node_settings(
+        config,
+        cpu=ROLLOUT_PER_GPU["cpu"] * gpus,
+        mem_gib=ROLLOUT_PER_GPU["mem_gib"] * gpus,
+        gpus=gpus,
+        disk_bytes=config.weights_bytes,
+    )
 
 
 def trainer_settings(config: DAPOConfig) -> dict:
@@ -104,8 +117,13 @@ def trainer_settings(config: DAPOConfig) -> dict:
     each; disk for the input checkpoint, and the output unless it goes to trainer_shared_dir."""
     gpus = config.trainer_nproc_per_node
     copies = 1 if config.trainer_shared_dir else 2
-    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
-                         disk_bytes=copies * config.checkpoint_bytes)
+    return node_settings(
+        config,
+        cpu=TRAINER_PER_GPU["cpu"] * gpus,
+        mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus,
+        gpus=gpus,
+        disk_bytes=copies * config.checkpoint_bytes,
+    )
 
 
 def colocated_settings(config: DAPOConfig) -> dict:
@@ -113,11 +131,18 @@ def colocated_settings(config: DAPOConfig) -> dict:
     GPUs (one step off policy, the rollout process's too), CPUs and memory; disk for the
     input checkpoint, and its records (the newest checkpoint and the one being written)
     unless they go to trainer_shared_dir (tasks.train.records_dir)."""
-    gpus = config.trainer_nproc_per_node + (config.tensor_parallel_size if config.off_policy_steps else 0)  # dapo.overlap's engine
+    gpus = config.trainer_nproc_per_node + (
+        config.tensor_parallel_size if config.off_policy_steps else 0
+    )  # dapo.overlap's engine
     copies = 1 if config.trainer_shared_dir else 3
-    return node_settings(config, cpu=TRAINER_PER_GPU["cpu"] * gpus, mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus, gpus=gpus,
-                         disk_bytes=copies * config.checkpoint_bytes,
-                         timeout_minutes=config.chunk_timeout_minutes or config.stage_timeout_minutes)
+    return node_settings(
+        config,
+        cpu=TRAINER_PER_GPU["cpu"] * gpus,
+        mem_gib=TRAINER_PER_GPU["mem_gib"] * gpus,
+        gpus=gpus,
+        disk_bytes=copies * config.checkpoint_bytes,
+        timeout_minutes=config.chunk_timeout_minutes or config.stage_timeout_minutes,
+    )
 
 
 def bootstrap_settings(config: DAPOConfig) -> dict:
@@ -149,7 +174,9 @@ def task_entry(function):
             return function(*args, **kwargs)
         except Exception as error:
             if is_transient(error):
-                raise FlyteRecoverableException(f"transient, a retry may succeed: {type(error).__name__}: {error}") from error
+                raise FlyteRecoverableException(
+                    f"transient, a retry may succeed: {type(error).__name__}: {error}"
+                ) from error
             raise
 
     return run

@@ -10,7 +10,16 @@ import typing
 from flytekit import FlyteContextManager, Resources, task
 from flytekit.types.directory import FlyteDirectory
 
-from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig, StepConfig, flat_overrides, parse_assignments, read_config_file
+from dapo.config import (
+    ConfigError,
+    DAPOConfig,
+    DataConfig,
+    ModelConfig,
+    StepConfig,
+    flat_overrides,
+    parse_assignments,
+    read_config_file,
+)
 from dapo.data import DataError
 from dapo.model_source import is_gguf_source
 from dapo.plugins import check_named_functions, user_code_digest
@@ -18,18 +27,26 @@ from dapo.stages import setup
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
-
 PRESETS_WITHOUT_DEFAULT_DATA = ("paper_32b", "node_7b", "one_gpu_1p5b")
 """Presets whose model is not meant for the embedded arithmetic task."""
 
-ResolvedConfig = typing.NamedTuple(
-    "ResolvedConfig", [("config", DAPOConfig), ("step_config", StepConfig), ("data_config", DataConfig), ("model_config", ModelConfig)]
-)
+
+class ResolvedConfig(typing.NamedTuple):
+    config: DAPOConfig
+    step_config: StepConfig
+    data_config: DataConfig
+    model_config: ModelConfig
 
 
 def resolve(
-    preset: str, overrides_json: str = "", total_steps: int = 0, train_data: str = "", val_data: str = "",
-    steps_per_chunk: int = 0, config_file: str = "", set: str = "",
+    preset: str,
+    overrides_json: str = "",
+    total_steps: int = 0,
+    train_data: str = "",
+    val_data: str = "",
+    steps_per_chunk: int = 0,
+    config_file: str = "",
+    set: str = "",
 ) -> DAPOConfig:
     """The run's validated config: a preset, then a YAML config file, the JSON overrides,
     the dotted assignments of `set`, and the explicit inputs (0 or "" keeps what is there),
@@ -39,7 +56,12 @@ def resolve(
     if not isinstance(from_json, dict):
         raise ValueError(f"overrides_json must be a JSON object, got {overrides_json!r}")
     overrides = {**flat_overrides(overrides), **flat_overrides(from_json), **flat_overrides(parse_assignments(set))}
-    explicit = {"total_steps": total_steps, "train_data_path": train_data, "val_data_path": val_data, "steps_per_chunk": steps_per_chunk}
+    explicit = {
+        "total_steps": total_steps,
+        "train_data_path": train_data,
+        "val_data_path": val_data,
+        "steps_per_chunk": steps_per_chunk,
+    }
     overrides.update({name: value for name, value in explicit.items() if value})
     config = DAPOConfig.preset(preset, overrides)
     if preset in PRESETS_WITHOUT_DEFAULT_DATA and not config.train_data_path:
@@ -57,7 +79,13 @@ def resolve(
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="1Gi"))
 @task_entry
 def resolve_config(
-    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, steps_per_chunk: int, config_file: str = "",
+    preset: str,
+    overrides_json: str,
+    total_steps: int,
+    train_data: str,
+    val_data: str,
+    steps_per_chunk: int,
+    config_file: str = "",
     set: str = "",
 ) -> ResolvedConfig:
     """The run's validated config (resolve), and the sections tasks are cached on, each
@@ -69,18 +97,27 @@ def resolve_config(
     return ResolvedConfig(config, config.step_config(), config.section("data"), config.section("model"))
 
 
-@task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi"))
+class PreparedData(typing.NamedTuple):
+    data: FlyteDirectory
+    stats: dict[str, float]
+
+
+@task(
+    cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="2", mem="8Gi", ephemeral_storage="20Gi")
+)
 @task_entry
-def prepare_data(config: DataConfig) -> typing.NamedTuple("PreparedData", [("data", FlyteDirectory), ("stats", dict[str, float])]):
+def prepare_data(config: DataConfig) -> PreparedData:
     """Validated, de-duplicated train and validation parquet files.
 
     Cached on the data section only, so runs that differ in anything else (an
     ablation, another clip range) share one copy of the data.
     """
     out_dir = scratch_dir("data")
-    config = dataclasses.replace(config, train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path))
+    config = dataclasses.replace(
+        config, train_data_path=local_copy(config.train_data_path), val_data_path=local_copy(config.val_data_path)
+    )
     stats = setup.prepare_data(config, out_dir)
-    return directory_output(out_dir), stats
+    return PreparedData(directory_output(out_dir), stats)
 
 
 def local_copy(path: str, directory: bool = False) -> str:
@@ -110,6 +147,7 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str) -> Checkpoint:
 
     out_dir = scratch_dir("policy-0")
     with tqdm(desc="warm start", unit="step", leave=False) as bar:
+
         def progress(step: int, total: int, loss: float) -> None:
             bar.total = total
             bar.update(step - bar.n)

@@ -9,12 +9,17 @@ from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 
 from dapo import report
+from dapo.config import StepConfig
 from dapo.stages import validation
 from images.specs import ROLLOUT_IMAGE
-from dapo.config import StepConfig
-from tasks.common import DECKS, Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
+from tasks.common import DECKS, ROLLOUT_POD, Checkpoint, cache, download_weights, task_entry
 
-EvalOutput = typing.NamedTuple("EvalOutput", [("metrics", dict[str, float]), ("samples", pa.Table)])
+
+class EvalOutput(typing.NamedTuple):
+    metrics: dict[str, float]
+    samples: pa.Table
+
+
 """The samples are a table (stored as a file, passed by reference): 20k-token responses
 would make an inline list larger than Flyte keeps in a node's outputs."""
 

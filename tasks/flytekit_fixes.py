@@ -28,7 +28,9 @@ class ArrowParquetDecoder(ParquetToArrowDecodingHandler):
             return super().decode(ctx, flyte_value, current_task_metadata)
         metadata_type = current_task_metadata.structured_dataset_type
         columns = [c.name for c in metadata_type.columns] if metadata_type and metadata_type.columns else None
-        return pq.read_table(split_protocol(uri)[1], filesystem=ctx.file_access.get_filesystem_for_path(uri), columns=columns)
+        return pq.read_table(
+            split_protocol(uri)[1], filesystem=ctx.file_access.get_filesystem_for_path(uri), columns=columns
+        )
 
 
 class ConfigTransformer(DataclassTransformer):

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import typing
-
 import pyarrow as pa
 from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 
+from dapo.config import StepConfig
 from dapo.sampling import SamplingState
 from dapo.stages import generation, scoring
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
-from dapo.config import StepConfig
-from tasks.common import Checkpoint, cache, download_weights, ROLLOUT_POD, task_entry
+from tasks.common import ROLLOUT_POD, Checkpoint, cache, download_weights, task_entry
 from tasks.flytekit_fixes import LiteralEcho
 
-RoundResult = typing.Tuple[pa.Table, str, bool]
+RoundResult = tuple[pa.Table, str, bool]
 """(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
 branches of a round's conditional (sample_round, keep_round) return these."""
 
@@ -26,18 +24,23 @@ branches of a round's conditional (sample_round, keep_round) return these."""
     **ROLLOUT_POD,
 )
 @task_entry
-def rollout(config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int) -> pa.Table:
+def rollout(
+    config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shard: int
+) -> pa.Table:
     """G sampled responses per prompt of this round's slice `shard`, with the sampler's token
     log-probs; the shard's rollout metrics ride in the table's schema metadata (map tasks
     take one output)."""
     from tqdm import tqdm
 
     with tqdm(desc=f"rollout step {step} round {round_index} shard {shard}", unit="sample", leave=False) as bar:
+
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        table, metrics = generation.rollout(config, download_weights(policy), data.download(), step, round_index, shard, progress=progress)
+        table, metrics = generation.rollout(
+            config, download_weights(policy), data.download(), step, round_index, shard, progress=progress
+        )
     return generation.with_rollout_metrics(table, metrics)
 
 
@@ -50,7 +53,9 @@ def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Tab
 
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
-def filter_groups(config: StepConfig, scored: list[pa.Table], kept: typing.Optional[pa.Table], sampling_state: str) -> RoundResult:
+def filter_groups(
+    config: StepConfig, scored: list[pa.Table], kept: pa.Table | None, sampling_state: str
+) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
     state = SamplingState.from_json(sampling_state)
     round_table, rollout_metrics = generation.merge_shards(scored)

@@ -53,7 +53,7 @@ class LoopState:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "LoopState":
+    def from_json(cls, text: str) -> LoopState:
         return cls(**json.loads(text)) if text else cls()
 
     def record_validation(self, step: int, val_acc: float) -> None:
@@ -104,29 +104,38 @@ def deliver(state: LoopState, target_json: str, records: list[dict], registers: 
     registers: this task's pod has disk for a model version's weights (register_model's),
     so registrations are sent; elsewhere they wait in the outbox, behind nothing and
     holding nothing up, for the next register_model."""
-    left = tracking.deliver(run_target(target_json), read_outbox(state) + records, materialize=_materialize if registers else None)
+    left = tracking.deliver(
+        run_target(target_json), read_outbox(state) + records, materialize=_materialize if registers else None
+    )
     state.outbox = ""
     if left:
         lines = "".join(json.dumps(record) + "\n" for record in left).encode()
-        state.outbox = FlyteContextManager.current_context().file_access.put_raw_data(io.BytesIO(lines), file_name="outbox.jsonl")
+        state.outbox = FlyteContextManager.current_context().file_access.put_raw_data(
+            io.BytesIO(lines), file_name="outbox.jsonl"
+        )
 
 
 def execution_name() -> str:
     return current_context().execution_id.name
 
 
+class Tracking(typing.NamedTuple):
+    target_json: str
+    loop_state: str
+
+
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 @task_entry
-def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> typing.NamedTuple(
-    "Tracking", [("target_json", str), ("loop_state", str)]
-):
+def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_stats: dict[str, float]) -> Tracking:
     """Bind the run (its step config) to one MLflow run, found again when the run is resumed
     or extended, and log the config."""
-    target = tracking.RunTarget(tracking.default_tracking_uri(tracking_uri), experiment, run_key(config), f"dapo-{execution_name()}")
+    target = tracking.RunTarget(
+        tracking.default_tracking_uri(tracking_uri), experiment, run_key(config), f"dapo-{execution_name()}"
+    )
     target_json = json.dumps(target.__dict__)
     state = LoopState()
     deliver(state, target_json, [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)])
-    return target_json, state.to_json()
+    return Tracking(target_json, state.to_json())
 
 
 def report_step(state: LoopState, target_json: str, step: int, step_metrics: dict[str, float]) -> None:
@@ -152,7 +161,12 @@ def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, s
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_chunk(
-    config: StepConfig, target_json: str, loop_state: str, first_step: int, step_metrics: list[dict[str, float]], outbox: str
+    config: StepConfig,
+    target_json: str,
+    loop_state: str,
+    first_step: int,
+    step_metrics: list[dict[str, float]],
+    outbox: str,
 ) -> str:
     """After a colocated chunk, which printed and logged each of its steps as it ended: the
     records it could not deliver (its outbox), then every step's metrics once more, which
@@ -161,7 +175,9 @@ def log_chunk(
     steps, and the rollout guard's verdict on its last step."""
     state = LoopState.from_json(loop_state)
     for offset, metrics in enumerate(step_metrics):
-        state.bad_steps = training.count_bad_steps(state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1)
+        state.bad_steps = training.count_bad_steps(
+            state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1
+        )
     steps = [tracking.metrics_record(first_step + offset + 1, metrics) for offset, metrics in enumerate(step_metrics)]
     deliver(state, target_json, read_outbox(LoopState(outbox=outbox)) + steps)
     if step_metrics:
@@ -173,7 +189,13 @@ def log_chunk(
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
 @task_entry
 def register_model(
-    target_json: str, loop_state: str, policy: Checkpoint, step: int, eval_metrics: dict[str, float], samples: pa.Table, model_name: str
+    target_json: str,
+    loop_state: str,
+    policy: Checkpoint,
+    step: int,
+    eval_metrics: dict[str, float],
+    samples: pa.Table,
+    model_name: str,
 ) -> str:
     """Log validation metrics and samples, register the checkpoint, move champion/newest;
     the Deck shows the run's learning curves as MLflow has them."""
@@ -201,8 +223,12 @@ def register_model(
 def run_tags(config: DAPOConfig) -> dict[str, str]:
     """Tags of an execution (MLflow params cannot change, and these may between
     executions of one run): the run's length, validation period and the config's extra tags."""
-    return {"dapo.total_steps": str(config.total_steps), "dapo.val_every": str(config.val_every),
-            "flyte.execution": execution_name(), **{str(k): str(v) for k, v in config.extra.items()}}
+    return {
+        "dapo.total_steps": str(config.total_steps),
+        "dapo.val_every": str(config.val_every),
+        "flyte.execution": execution_name(),
+        **{str(k): str(v) for k, v in config.extra.items()},
+    }
 
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
@@ -226,9 +252,15 @@ def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model
     target = run_target(target_json)
     run_id = tracking.end_run(target, "FINISHED", run_tags(config))
     return RunSummary(
-        final_step=state.last_val_step, final_val_acc=state.last_val_acc, best_val_acc=state.best_val_acc,
-        best_val_step=state.best_val_step, champion_version=tracking.alias_version(target, model_name), model_name=model_name,
-        mlflow_run_id=run_id, mlflow_tracking_uri=target.tracking_uri, undelivered_records=len(pending),
+        final_step=state.last_val_step,
+        final_val_acc=state.last_val_acc,
+        best_val_acc=state.best_val_acc,
+        best_val_step=state.best_val_step,
+        champion_version=tracking.alias_version(target, model_name),
+        model_name=model_name,
+        mlflow_run_id=run_id,
+        mlflow_tracking_uri=target.tracking_uri,
+        undelivered_records=len(pending),
         val_acc_curve=val_acc_curve(target, run_id),
     )
 
@@ -248,9 +280,18 @@ def val_acc_curve(target: tracking.RunTarget, run_id: str) -> str:
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 @task_entry
 def end_failed_run(
-    preset: str, overrides_json: str, total_steps: int, train_data: str, val_data: str, mlflow_tracking_uri: str,
-    mlflow_experiment: str, model_name: str, steps_per_chunk: int, config_file: str = "", set: str = "",
-    err: typing.Optional[FlyteError] = None,
+    preset: str,
+    overrides_json: str,
+    total_steps: int,
+    train_data: str,
+    val_data: str,
+    mlflow_tracking_uri: str,
+    mlflow_experiment: str,
+    model_name: str,
+    steps_per_chunk: int,
+    config_file: str = "",
+    set: str = "",
+    err: FlyteError | None = None,
 ) -> None:
     """dapo_loop's failure handler: the run's MLflow run (if it was started) ends KILLED or
     FAILED (tracking.ended_status), with the error as a tag, instead of staying RUNNING.
@@ -262,7 +303,9 @@ def end_failed_run(
     except Exception as error:  # the config itself was the failure: no run was started
         logger.warning("dapo_loop failed before its MLflow run started: %s", error)
         return
-    target = tracking.RunTarget(tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config), "")
+    target = tracking.RunTarget(
+        tracking.default_tracking_uri(mlflow_tracking_uri), mlflow_experiment, run_key(config), ""
+    )
     message = (err.message if err else "unknown error")[:4000]
     tags = {**run_tags(config), "flyte.error": message, "flyte.failed_node": err.failed_node_id if err else ""}
     status = tracking.ended_status(message)

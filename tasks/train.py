@@ -11,9 +11,9 @@ import typing
 
 import pyarrow as pa
 from flytekit import Deck, FlyteContextManager, task
-from flytekit.types.directory import FlyteDirectory
 from flytekit.core.base_task import PythonTask, TaskResolverMixin
 from flytekit.core.tracker import TrackedInstance
+from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
 
 from dapo import report
@@ -23,16 +23,33 @@ from dapo.stages import training
 from dapo.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
-    DECKS, GPU_POD_TEMPLATE_NAME, SHARED_GPU_POD_TEMPLATE_NAME, TRAINER_PER_GPU, Checkpoint, cache, directory_output, gpu_pod,
-    run_key, scratch_dir, task_entry,
+    DECKS,
+    GPU_POD_TEMPLATE_NAME,
+    SHARED_GPU_POD_TEMPLATE_NAME,
+    TRAINER_PER_GPU,
+    Checkpoint,
+    cache,
+    directory_output,
+    gpu_pod,
+    run_key,
+    scratch_dir,
+    task_entry,
 )
 
-StepOutput = typing.NamedTuple("StepOutput", [("policy", Checkpoint), ("metrics", dict[str, float])])
+
+class StepOutput(typing.NamedTuple):
+    policy: Checkpoint
+    metrics: dict[str, float]
 
 
 def trainer_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
     """Task settings of a trainer pod (one training process per GPU)."""
-    return {"cache": cache(__name__), "container_image": TRAINER_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name), **DECKS}
+    return {
+        "cache": cache(__name__),
+        "container_image": TRAINER_IMAGE,
+        **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
+        **DECKS,
+    }
 
 
 def step_output_dir(config: StepConfig, step: int, input_dir: str) -> str:
@@ -70,7 +87,9 @@ def policy_step(config: StepConfig, policy: Checkpoint, batch: pa.Table, samplin
     return StepOutput(directory_output(out_dir), metrics)
 
 
-def policy_step_elastic(config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step_elastic(
+    config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int
+) -> StepOutput:
     """policy_step's body, as the function of its Elastic tasks (elastic_task)."""
     return policy_step.task_function(config, policy, batch, sampling_state, step)
 
@@ -123,7 +142,9 @@ def elastic_task(name: str, nnodes: int, nproc_per_node: int, shared_volume: boo
     template = SHARED_GPU_POD_TEMPLATE_NAME if nnodes > 1 or shared_volume else GPU_POD_TEMPLATE_NAME
     elastic = task(
         function,
-        task_config=Elastic(nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False, max_restarts=ELASTIC_RESTARTS),
+        task_config=Elastic(
+            nnodes=nnodes, nproc_per_node=nproc_per_node, increase_shared_mem=False, max_restarts=ELASTIC_RESTARTS
+        ),
         **settings(nproc_per_node, template),
     )
     # Set after construction: a task made inside a dynamic workflow (train_chunk) takes the
@@ -137,13 +158,17 @@ def policy_step_for(config: DAPOConfig) -> PythonTask:
     """policy_step for one training process, else the elastic step of the config's shape."""
     if config.trainer_world_size == 1:
         return policy_step
-    return elastic_task("policy_step", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir))
+    return elastic_task(
+        "policy_step", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir)
+    )
 
 
-ColocatedOutput = typing.NamedTuple(
-    "ColocatedOutput", [("policy", Checkpoint), ("metrics", list[dict[str, float]]), ("outbox", str),
-                        ("next_batch", typing.Optional[pa.Table]), ("next_batch_state", str)]
-)
+class ColocatedOutput(typing.NamedTuple):
+    policy: Checkpoint
+    metrics: list[dict[str, float]]
+    outbox: str
+    next_batch: pa.Table | None
+    next_batch_state: str
 
 
 def records_dir(config: StepConfig, policy: FlyteDirectory, first_step: int) -> str:
@@ -201,15 +226,26 @@ def link_or_copy(source: str, target: str) -> None:
 
 def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict:
     """Task settings of a colocated chunk's pod: the GPU image (vLLM and DeepSpeed), the trainer's share per GPU."""
-    return {"cache": cache(__name__), "container_image": GPU_IMAGE, **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
-            **DECKS}
+    return {
+        "cache": cache(__name__),
+        "container_image": GPU_IMAGE,
+        **gpu_pod(gpus, TRAINER_PER_GPU, pod_template_name),
+        **DECKS,
+    }
 
 
 @task(**chunk_pod(gpus=1))
 @task_entry
 def colocated_chunk(
-    config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
-    checkpoint_every: int, first_batch: typing.Optional[pa.Table], first_batch_state: str,
+    config: StepConfig,
+    target_json: str,
+    policy: Checkpoint,
+    data: FlyteDirectory,
+    first_step: int,
+    last_step: int,
+    checkpoint_every: int,
+    first_batch: pa.Table | None,
+    first_batch_state: str,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
     (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
@@ -234,31 +270,59 @@ def colocated_chunk(
     records = records_dir(config, policy, first_step)
     if launcher_rank() == 0:
         prune_earlier_chunks(records, first_step)
-    chunk = dict(checkpoint_every=checkpoint_every, on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics))
+    chunk: dict[str, typing.Any] = dict(
+        checkpoint_every=checkpoint_every,
+        on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
+    )
     if config.off_policy_steps:
         from dapo.overlap import SampledBatch, run_overlapped
 
-        first = None if first_batch is None else SampledBatch(first_batch, SamplingState.from_json(first_batch_state), first_step - 1)
-        result = run_overlapped(config, policy.path, data.path, first_step, last_step - first_step, records, first_batch=first, **chunk)
+        first = (
+            None
+            if first_batch is None
+            else SampledBatch(first_batch, SamplingState.from_json(first_batch_state), first_step - 1)
+        )
+        result = run_overlapped(
+            config, policy.path, data.path, first_step, last_step - first_step, records, first_batch=first, **chunk
+        )
     else:
         result = run_colocated(config, policy.path, data.path, first_step, last_step - first_step, records, **chunk)
-    rows = [{"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}} for i, m in enumerate(result.step_metrics)]
+    rows = [
+        {"step": first_step + i + 1, **{k: f"{v:.4g}" for k, v in sorted(m.items())}}
+        for i, m in enumerate(result.step_metrics)
+    ]
     Deck("This chunk", report.html_table(rows))
     following = result.next_batch
-    return ColocatedOutput(chunk_output(result.checkpoint_dir), result.step_metrics, delivery.outbox,
-                           None if following is None else following.batch, "" if following is None else following.state.to_json())
+    return ColocatedOutput(
+        chunk_output(result.checkpoint_dir),
+        result.step_metrics,
+        delivery.outbox,
+        None if following is None else following.batch,
+        "" if following is None else following.state.to_json(),
+    )
 
 
 def colocated_chunk_elastic(
-    config: StepConfig, target_json: str, policy: Checkpoint, data: FlyteDirectory, first_step: int, last_step: int,
-    checkpoint_every: int, first_batch: typing.Optional[pa.Table], first_batch_state: str,
+    config: StepConfig,
+    target_json: str,
+    policy: Checkpoint,
+    data: FlyteDirectory,
+    first_step: int,
+    last_step: int,
+    checkpoint_every: int,
+    first_batch: pa.Table | None,
+    first_batch_state: str,
 ) -> ColocatedOutput:
     """colocated_chunk's body, as the function of its Elastic tasks (elastic_task)."""
-    return colocated_chunk.task_function(config, target_json, policy, data, first_step, last_step, checkpoint_every, first_batch,
-                                         first_batch_state)
+    return colocated_chunk.task_function(
+        config, target_json, policy, data, first_step, last_step, checkpoint_every, first_batch, first_batch_state
+    )
 
 
-ELASTIC_TASKS = {"policy_step": (policy_step_elastic, trainer_pod), "colocated_chunk": (colocated_chunk_elastic, chunk_pod)}
+ELASTIC_TASKS = {
+    "policy_step": (policy_step_elastic, trainer_pod),
+    "colocated_chunk": (colocated_chunk_elastic, chunk_pod),
+}
 """The bodies that run as elastic tasks, and their task settings from (GPUs per pod, pod template)."""
 
 
@@ -266,4 +330,6 @@ def colocated_chunk_for(config: DAPOConfig) -> PythonTask:
     """colocated_chunk for one process, else its elastic task of the config's trainer shape."""
     if config.trainer_world_size == 1:
         return colocated_chunk
-    return elastic_task("colocated_chunk", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir))
+    return elastic_task(
+        "colocated_chunk", config.trainer_nnodes, config.trainer_nproc_per_node, bool(config.trainer_shared_dir)
+    )

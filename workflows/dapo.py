@@ -46,12 +46,34 @@ from dapo.config import DAPOConfig, ModelConfig, StepConfig
 from dapo.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE
 from tasks.common import (
-    Checkpoint, bootstrap_settings, colocated_settings, cpu_settings, registry_settings, rollout_settings, trainer_settings,
+    Checkpoint,
+    bootstrap_settings,
+    colocated_settings,
+    cpu_settings,
+    registry_settings,
+    rollout_settings,
+    trainer_settings,
 )
 from tasks.data import bootstrap_policy, prepare_data, resolve_config
 from tasks.evaluate import evaluate
-from tasks.rollout import RoundResult, filter_groups, keep_batch, keep_done, keep_sampling_state, rollout, verify_rewards
-from tasks.tracking import RunSummary, end_failed_run, finish_tracking, log_chunk, log_step, register_model, start_tracking
+from tasks.rollout import (
+    RoundResult,
+    filter_groups,
+    keep_batch,
+    keep_done,
+    keep_sampling_state,
+    rollout,
+    verify_rewards,
+)
+from tasks.tracking import (
+    RunSummary,
+    end_failed_run,
+    finish_tracking,
+    log_chunk,
+    log_step,
+    register_model,
+    start_tracking,
+)
 from tasks.train import colocated_chunk_for, policy_step_for
 
 DYNAMIC_POD = {"container_image": CPU_IMAGE, "requests": Resources(cpu="1", mem="2Gi")}
@@ -68,18 +90,31 @@ def sample_round_workflow(config: DAPOConfig) -> PythonFunctionWorkflow:
 @functools.lru_cache(maxsize=8)
 def _sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
     config = DAPOConfig.from_dict(json.loads(config_json))
-    rollout_pod, reward_pod, filter_pod = rollout_settings(config), cpu_settings(config, cpu=4, mem_gib=8), cpu_settings(config)
+    rollout_pod, reward_pod, filter_pod = (
+        rollout_settings(config),
+        cpu_settings(config, cpu=4, mem_gib=8),
+        cpu_settings(config),
+    )
 
     def sample_round(
-        step_config: StepConfig, policy: Checkpoint, data: FlyteDirectory, step: int, round_index: int, shards: list[int],
-        kept: typing.Optional[pa.Table], sampling_state: str,
+        step_config: StepConfig,
+        policy: Checkpoint,
+        data: FlyteDirectory,
+        step: int,
+        round_index: int,
+        shards: list[int],
+        kept: pa.Table | None,
+        sampling_state: str,
     ) -> RoundResult:
-        responses = map_task(functools.partial(rollout, config=step_config, policy=policy, data=data, step=step,
-                                               round_index=round_index))(shard=shards).with_overrides(**rollout_pod)
-        scored = map_task(functools.partial(verify_rewards, config=step_config, step=step))(responses=responses).with_overrides(
-            **reward_pod
-        )
-        return filter_groups(config=step_config, scored=scored, kept=kept, sampling_state=sampling_state).with_overrides(**filter_pod)
+        responses = map_task(
+            functools.partial(rollout, config=step_config, policy=policy, data=data, step=step, round_index=round_index)
+        )(shard=shards).with_overrides(**rollout_pod)
+        scored = map_task(functools.partial(verify_rewards, config=step_config, step=step))(
+            responses=responses
+        ).with_overrides(**reward_pod)
+        return filter_groups(
+            config=step_config, scored=scored, kept=kept, sampling_state=sampling_state
+        ).with_overrides(**filter_pod)
 
     # One name whatever the config: the function is made here, not at module level.
     sample_round.__qualname__ = sample_round.__name__
@@ -97,9 +132,18 @@ def evaluate_and_register(
     config: DAPOConfig, step_config: StepConfig, target_json: str, loop_state, policy, data, step: int, model_name: str
 ):
     """evaluate (a rollout-shaped pod) then register_model; returns the new loop state."""
-    eval_metrics, samples = evaluate(config=step_config, policy=policy, data=data, step=step).with_overrides(**rollout_settings(config))
-    return register_model(target_json=target_json, loop_state=loop_state, policy=policy, step=step, eval_metrics=eval_metrics,
-                          samples=samples, model_name=model_name).with_overrides(**registry_settings(config))
+    eval_metrics, samples = evaluate(config=step_config, policy=policy, data=data, step=step).with_overrides(
+        **rollout_settings(config)
+    )
+    return register_model(
+        target_json=target_json,
+        loop_state=loop_state,
+        policy=policy,
+        step=step,
+        eval_metrics=eval_metrics,
+        samples=samples,
+        model_name=model_name,
+    ).with_overrides(**registry_settings(config))
 
 
 def sample_step(config: DAPOConfig, step_config: StepConfig, policy, data, step: int):
@@ -109,27 +153,68 @@ def sample_step(config: DAPOConfig, step_config: StepConfig, policy, data, step:
     shards = list(range(config.rollout_shards))
     sample_round = sample_round_workflow(config)
     batch, sampling_state, done = sample_round(
-        step_config=step_config, policy=policy, data=data, step=step, round_index=0, shards=shards, kept=None, sampling_state=""
+        step_config=step_config,
+        policy=policy,
+        data=data,
+        step=step,
+        round_index=0,
+        shards=shards,
+        kept=None,
+        sampling_state="",
     )
     for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
         batch, sampling_state, done = (
             conditional(f"step_{step}_round_{round_index}")
             .if_(done.is_false())
-            .then(sample_round(step_config=step_config, policy=policy, data=data, step=step, round_index=round_index,
-                               shards=shards, kept=batch, sampling_state=sampling_state))
+            .then(
+                sample_round(
+                    step_config=step_config,
+                    policy=policy,
+                    data=data,
+                    step=step,
+                    round_index=round_index,
+                    shards=shards,
+                    kept=batch,
+                    sampling_state=sampling_state,
+                )
+            )
             .else_()
             .then(keep_round(batch=batch, sampling_state=sampling_state, done=done))
         )
     return batch, sampling_state
 
 
+class ChunkOutput(typing.NamedTuple):
+    policy: Checkpoint
+    loop_state: str
+    next_batch: StructuredDataset | None
+    next_batch_state: str
+
+
+class TrainOutput(typing.NamedTuple):
+    policy: Checkpoint
+    loop_state: str
+
+
+class DapoResult(typing.NamedTuple):
+    policy: Checkpoint
+    summary: RunSummary
+
+
 @dynamic(**DYNAMIC_POD)
 def train_chunk(
-    config: DAPOConfig, step_config: StepConfig, target_json: str, data: FlyteDirectory, policy: Checkpoint, loop_state: str,
-    first_step: int, last_step: int, model_name: str, next_batch: typing.Optional[StructuredDataset] = None,
+    config: DAPOConfig,
+    step_config: StepConfig,
+    target_json: str,
+    data: FlyteDirectory,
+    policy: Checkpoint,
+    loop_state: str,
+    first_step: int,
+    last_step: int,
+    model_name: str,
+    next_batch: StructuredDataset | None = None,
     next_batch_state: str = "",
-) -> typing.NamedTuple("ChunkOutput", [("policy", Checkpoint), ("loop_state", str),
-                                       ("next_batch", typing.Optional[StructuredDataset]), ("next_batch_state", str)]):
+) -> ChunkOutput:
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
     config's trainer shape (tasks.train.policy_step_for). The pods are shaped from the
     whole config; the tasks get the step config (their cache key). With
@@ -141,57 +226,114 @@ def train_chunk(
     output next_batch the one after the chunk (a StructuredDataset: the dynamic workflow
     passes it on without reading it). On policy they are None."""
     if config.execution == "colocated":
-        return colocated_steps(config, step_config, target_json, data, policy, loop_state, first_step, last_step, model_name,
-                               next_batch, next_batch_state)
+        return colocated_steps(
+            config,
+            step_config,
+            target_json,
+            data,
+            policy,
+            loop_state,
+            first_step,
+            last_step,
+            model_name,
+            next_batch,
+            next_batch_state,
+        )
     policy_step = policy_step_for(config)
     upcoming = (next_batch, next_batch_state) if next_batch is not None else None
     for step in range(first_step, last_step):
         batch, sampling_state = upcoming or sample_step(config, step_config, policy, data, step)
         upcoming = sample_step(config, step_config, policy, data, step + 1) if config.off_policy_steps else None
-        policy, metrics = policy_step(config=step_config, policy=policy, batch=batch, sampling_state=sampling_state,
-                                      step=step).with_overrides(**trainer_settings(config))
-        loop_state = log_step(config=step_config, target_json=target_json, loop_state=loop_state, step=step + 1,
-                              step_metrics=metrics).with_overrides(**cpu_settings(config))
+        policy, metrics = policy_step(
+            config=step_config, policy=policy, batch=batch, sampling_state=sampling_state, step=step
+        ).with_overrides(**trainer_settings(config))
+        loop_state = log_step(
+            config=step_config, target_json=target_json, loop_state=loop_state, step=step + 1, step_metrics=metrics
+        ).with_overrides(**cpu_settings(config))
         if is_validation_step(step + 1, config.val_every, config.total_steps):
-            loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, step + 1, model_name)
-    return (policy, loop_state) + (upcoming or (None, ""))
+            loop_state = evaluate_and_register(
+                config, step_config, target_json, loop_state, policy, data, step + 1, model_name
+            )
+    return ChunkOutput(policy, loop_state, *(upcoming or (None, "")))
 
 
-def colocated_steps(config: DAPOConfig, step_config: StepConfig, target_json: str, data, policy, loop_state, first_step: int,
-                    last_step: int, model_name: str, first_batch, first_batch_state: str):
+def colocated_steps(
+    config: DAPOConfig,
+    step_config: StepConfig,
+    target_json: str,
+    data,
+    policy,
+    loop_state,
+    first_step: int,
+    last_step: int,
+    model_name: str,
+    first_batch,
+    first_batch_state: str,
+):
     """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
     tasks.train.colocated_chunk_for), then log_chunk; validated on the chunk's last
     checkpoint when that is a validation step (chunk_ranges ends a colocated chunk at each)."""
     chunk = colocated_chunk_for(config)
     policy, metrics, outbox, next_batch, next_batch_state = chunk(
-        config=step_config, target_json=target_json, policy=policy, data=data, first_step=first_step, last_step=last_step,
-        checkpoint_every=config.colocated_checkpoint_every, first_batch=first_batch, first_batch_state=first_batch_state,
+        config=step_config,
+        target_json=target_json,
+        policy=policy,
+        data=data,
+        first_step=first_step,
+        last_step=last_step,
+        checkpoint_every=config.colocated_checkpoint_every,
+        first_batch=first_batch,
+        first_batch_state=first_batch_state,
     ).with_overrides(**colocated_settings(config))
-    loop_state = log_chunk(config=step_config, target_json=target_json, loop_state=loop_state, first_step=first_step,
-                           step_metrics=metrics, outbox=outbox).with_overrides(**cpu_settings(config))
+    loop_state = log_chunk(
+        config=step_config,
+        target_json=target_json,
+        loop_state=loop_state,
+        first_step=first_step,
+        step_metrics=metrics,
+        outbox=outbox,
+    ).with_overrides(**cpu_settings(config))
     if is_validation_step(last_step, config.val_every, config.total_steps):
-        loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, last_step, model_name)
+        loop_state = evaluate_and_register(
+            config, step_config, target_json, loop_state, policy, data, last_step, model_name
+        )
     return policy, loop_state, next_batch, next_batch_state
 
 
 @dynamic(**DYNAMIC_POD)
 def train(
-    config: DAPOConfig, step_config: StepConfig, model_config: ModelConfig, target_json: str, data: FlyteDirectory, loop_state: str,
+    config: DAPOConfig,
+    step_config: StepConfig,
+    model_config: ModelConfig,
+    target_json: str,
+    data: FlyteDirectory,
+    loop_state: str,
     model_name: str,
-) -> typing.NamedTuple("TrainOutput", [("policy", Checkpoint), ("loop_state", str)]):
+) -> TrainOutput:
     """The starting policy, its validation, then the step loop as a chain of chunks.
 
     config shapes the DAG and its pods; the tasks get step_config and model_config
     (resolve_config), the sections their outputs depend on."""
-    policy = bootstrap_policy(config=model_config, embedded_task=config.embedded_task).with_overrides(**bootstrap_settings(config))
+    policy = bootstrap_policy(config=model_config, embedded_task=config.embedded_task).with_overrides(
+        **bootstrap_settings(config)
+    )
     loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
     next_batch, next_batch_state = None, ""
     for first, last in chunk_ranges(config):
         policy, loop_state, next_batch, next_batch_state = train_chunk(
-            config=config, step_config=step_config, target_json=target_json, data=data, policy=policy, loop_state=loop_state,
-            first_step=first, last_step=last, model_name=model_name, next_batch=next_batch, next_batch_state=next_batch_state,
+            config=config,
+            step_config=step_config,
+            target_json=target_json,
+            data=data,
+            policy=policy,
+            loop_state=loop_state,
+            first_step=first,
+            last_step=last,
+            model_name=model_name,
+            next_batch=next_batch,
+            next_batch_state=next_batch_state,
         )
-    return policy, loop_state
+    return TrainOutput(policy, loop_state)
 
 
 @workflow(on_failure=end_failed_run)
@@ -207,7 +349,7 @@ def dapo_loop(
     steps_per_chunk: int = 0,
     config_file: str = "",
     set: str = "",
-) -> typing.NamedTuple("DapoResult", [("policy", Checkpoint), ("summary", RunSummary)]):
+) -> DapoResult:
     """DAPO training. Defaults: the embedded tiny policy and arithmetic task, local MLflow.
 
     `python -m dapo config --preset NAME` lists every field of the config by section
@@ -222,7 +364,8 @@ def dapo_loop(
     :param preset: tiny_cpu | smollm2_cpu | one_gpu_1p5b | node_7b | paper_32b (python -m dapo config --presets)
     :param overrides_json: config fields as JSON, by section or flat: '{"algorithm": {"clip_high": 0.2}}'
     :param total_steps: 0 keeps the preset's
-    :param train_data: verl-format parquet path or URI (s3://..., gs://...), or a reasoning-gym spec: reasoning_gym:chain_sum?min_terms=2&max_terms=2
+    :param train_data: verl-format parquet path or URI (s3://..., gs://...), or a reasoning-gym spec:
+        reasoning_gym:chain_sum?min_terms=2&max_terms=2
     :param val_data: verl-format parquet path or URI, or a reasoning_gym: spec ("" with one: another seed of train_data)
     :param mlflow_tracking_uri: "" = $MLFLOW_TRACKING_URI or ./mlflow.db
     :param mlflow_experiment: the MLflow experiment
@@ -232,13 +375,27 @@ def dapo_loop(
     :param set: dotted assignments, last: 'algorithm.clip_high=0.2 reward.reward_fn=my_reward.py:score'
     """
     config, step_config, data_config, model_config = resolve_config(
-        preset=preset, overrides_json=overrides_json, total_steps=total_steps, train_data=train_data, val_data=val_data,
-        steps_per_chunk=steps_per_chunk, config_file=config_file, set=set,
+        preset=preset,
+        overrides_json=overrides_json,
+        total_steps=total_steps,
+        train_data=train_data,
+        val_data=val_data,
+        steps_per_chunk=steps_per_chunk,
+        config_file=config_file,
+        set=set,
     )
     data, data_stats = prepare_data(config=data_config)
-    target_json, loop_state = start_tracking(config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment,
-                                             data_stats=data_stats)
-    final_policy, final_state = train(config=config, step_config=step_config, model_config=model_config, target_json=target_json,
-                                      data=data, loop_state=loop_state, model_name=model_name)
+    target_json, loop_state = start_tracking(
+        config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment, data_stats=data_stats
+    )
+    final_policy, final_state = train(
+        config=config,
+        step_config=step_config,
+        model_config=model_config,
+        target_json=target_json,
+        data=data,
+        loop_state=loop_state,
+        model_name=model_name,
+    )
     summary = finish_tracking(config=config, target_json=target_json, loop_state=final_state, model_name=model_name)
-    return final_policy, summary
+    return DapoResult(final_policy, summary)

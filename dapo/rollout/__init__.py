@@ -22,6 +22,7 @@ import atexit
 import logging
 import os
 import threading
+from typing import Any
 
 from dapo.config import ROLLOUT_BACKENDS
 from dapo.rollout.base import Completion, RolloutEngine, SamplingSettings, checkpoint_fingerprint, request_seed
@@ -55,7 +56,9 @@ def make_rollout_engine(
     `kv_cache_memory_bytes` and any other `vllm.LLM` keyword (e.g.
     `gpu_memory_utilization`); for "hf" `device` and `max_batch_rows`.
     """
-    common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+    common: dict[str, Any] = dict(
+        dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
+    )
     if backend == "vllm":
         from dapo.rollout.vllm_engine import VLLMRolloutEngine
 

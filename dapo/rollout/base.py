@@ -170,7 +170,9 @@ class RolloutEngine(ABC):
 
     backend: str = ""
 
-    def __init__(self, model_dir: str | os.PathLike, *, dtype: str, max_model_len: int, tensor_parallel_size: int, seed: int):
+    def __init__(
+        self, model_dir: str | os.PathLike, *, dtype: str, max_model_len: int, tensor_parallel_size: int, seed: int
+    ):
         from transformers import AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -181,17 +183,22 @@ class RolloutEngine(ABC):
         self.architecture = architecture_of(read_config(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model_dir)
-        self.weights_fingerprint = checkpoint_fingerprint(self.model_dir)  # which files the live weights came from
+        # which files the live weights came from; None after load_tensors (no file holds them)
+        self.weights_fingerprint: tuple | None = checkpoint_fingerprint(self.model_dir)
         self._closed = False
         self.released = False
         """Whether release_memory freed the engine's weights: it cannot generate until it gets weights again."""
 
     # --- the interface --------------------------------------------------------
-    def generate(self, prompts: list[str], sampling: SamplingSettings, progress: ProgressFn | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[str], sampling: SamplingSettings, progress: ProgressFn | None = None
+    ) -> list[Completion]:
         """len(prompts) * sampling.n completions ordered by (prompt_index, sample_index)."""
         self._check_open()
         if self.released:
-            raise RuntimeError(f"{self!r} released its memory (release_memory): give it weights (load_weights_from_tensors) first")
+            raise RuntimeError(
+                f"{self!r} released its memory (release_memory): give it weights (load_weights_from_tensors) first"
+            )
         sampling.validate()
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, not a string")
@@ -202,7 +209,9 @@ class RolloutEngine(ABC):
             if not ids:
                 raise ValueError(f"prompt {index} is empty after tokenization")
             if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len}: no room to generate")
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len}: no room to generate"
+                )
         completions = self._generate(prompt_token_ids, sampling, progress)
         expected = len(prompts) * sampling.n
         if len(completions) != expected:  # a backend bug, never the caller's
@@ -226,7 +235,7 @@ class RolloutEngine(ABC):
         self.model_dir = checkpoint_dir
         self.weights_fingerprint = fingerprint
 
-    def load_weights_from_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def load_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Swap to weights held in memory, in place: (Hugging Face name, tensor) pairs of this
         architecture, e.g. a colocated trainer's parameters (PolicyTrainer.named_weights).
         No file is read or written."""
@@ -255,7 +264,7 @@ class RolloutEngine(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "RolloutEngine":
+    def __enter__(self) -> RolloutEngine:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -263,7 +272,8 @@ class RolloutEngine(ABC):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"{type(self).__name__}({self.model_dir!r}, dtype={self.dtype}, max_model_len={self.max_model_len}, {state})"
+        settings = f"dtype={self.dtype}, max_model_len={self.max_model_len}"
+        return f"{type(self).__name__}({self.model_dir!r}, {settings}, {state})"
 
     # --- shared helpers -------------------------------------------------------
     def tokenize(self, prompts: list[str]) -> list[list[int]]:
@@ -278,13 +288,15 @@ class RolloutEngine(ABC):
 
     # --- backend hooks --------------------------------------------------------
     @abstractmethod
-    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]: ...
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None
+    ) -> list[Completion]: ...
 
     @abstractmethod
     def _load_weights(self, checkpoint_dir: str) -> None: ...
 
     @abstractmethod
-    def _load_tensors(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None: ...
+    def _load_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     @abstractmethod
     def _close(self) -> None: ...

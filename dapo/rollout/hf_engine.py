@@ -47,12 +47,18 @@ class HFRolloutEngine(RolloutEngine):
         device: str | None = None,
         max_batch_rows: int = 256,
     ):
-        super().__init__(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        super().__init__(
+            model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
+        )
         if tensor_parallel_size != 1:
-            logger.warning("the hf rollout backend runs on one device; ignoring tensor_parallel_size=%d", tensor_parallel_size)
+            logger.warning(
+                "the hf rollout backend runs on one device; ignoring tensor_parallel_size=%d", tensor_parallel_size
+            )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_batch_rows = int(max_batch_rows)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        )
         self.model = self._load_model(self.model_dir)
 
     def _load_model(self, model_dir: str):
@@ -62,10 +68,12 @@ class HFRolloutEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         # Only SamplingSettings decide sampling: drop the checkpoint's defaults (top_k, penalties, ...).
         model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
-        return model.to(self.device).eval()
+        return model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' wrapper of .to types its argument wrongly
 
     # --- generation -----------------------------------------------------------
-    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]:
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None
+    ) -> list[Completion]:
         n = sampling.n
         total = len(prompt_token_ids) * n
         prompts_per_chunk = max(1, self.max_batch_rows // n)
@@ -78,7 +86,9 @@ class HFRolloutEngine(RolloutEngine):
         return completions
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], first_index: int, sampling: SamplingSettings) -> list[Completion]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], first_index: int, sampling: SamplingSettings
+    ) -> list[Completion]:
         from transformers import GenerationConfig
 
         n = sampling.n
@@ -106,11 +116,15 @@ class HFRolloutEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(request_seed(sampling.seed, first_index, -1))
             out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), generation_config=config
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=config,
             )
         generated = out.sequences[:, width:].cpu()
         scores = torch.stack(out.scores, dim=1).float()  # (rows, steps, vocab), after temperature / top-p
-        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        log_probs = (
+            torch.log_softmax(scores, dim=-1).gather(-1, generated.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
+        )
 
         stops = set(self.stop_token_ids)
         token_lists, lp_lists, reasons = [], [], []
@@ -142,7 +156,9 @@ class HFRolloutEngine(RolloutEngine):
     def _load_weights(self, checkpoint_dir: str) -> None:
         if not self._copy_into_parameters(dict(iter_safetensors(checkpoint_dir))):
             # Other key layouts (tied embeddings, renamed modules): let transformers map them.
-            logger.info("%s: keys differ from the live model's parameters; reloading with from_pretrained", checkpoint_dir)
+            logger.info(
+                "%s: keys differ from the live model's parameters; reloading with from_pretrained", checkpoint_dir
+            )
             self.model = self._load_model(checkpoint_dir)
 
     def _load_tensors(self, named_tensors) -> None:

@@ -12,14 +12,25 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from typing import Any
 
 from dapo.faults import TransientFault, engine_start_refusal, memory_held_elsewhere
 from dapo.rollout.base import (
-    Completion, ProgressFn, RolloutEngine, SamplingSettings, checkpoint_fingerprint, checkpoint_tensor_names, iter_safetensors,
+    Completion,
+    ProgressFn,
+    RolloutEngine,
+    SamplingSettings,
+    checkpoint_fingerprint,
+    checkpoint_tensor_names,
+    iter_safetensors,
     request_seed,
 )
 from dapo.rollout.vllm_local import (
-    VLLM_MAX_NUM_SEQS, cpu_engine_options, keep_caller_process_state, keep_default_process_group, quiet_repeated_warnings,
+    VLLM_MAX_NUM_SEQS,
+    cpu_engine_options,
+    keep_caller_process_state,
+    keep_default_process_group,
+    quiet_repeated_warnings,
     serving_threads,
 )
 
@@ -34,7 +45,7 @@ layerwise reload (each layer rebuilt and post-processed: needed where the kernel
 weights after loading, as vLLM's CPU build does); "auto" chooses by platform."""
 
 _live_lock = threading.Lock()
-_live_inprocess: "VLLMRolloutEngine | None" = None
+_live_inprocess: VLLMRolloutEngine | None = None
 
 
 def _prepare_environment() -> None:
@@ -62,14 +73,16 @@ class VLLMRolloutEngine(RolloutEngine):
         in_memory_sync: str = "auto",
         **engine_kwargs,
     ):
-        super().__init__(model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        super().__init__(
+            model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
+        )
         self.enforce_eager = enforce_eager
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.engine_kwargs = engine_kwargs
         if in_memory_sync not in IN_MEMORY_SYNC_METHODS:
             raise ValueError(f"in_memory_sync={in_memory_sync!r}: must be one of {IN_MEMORY_SYNC_METHODS}")
         self.in_memory_sync = in_memory_sync
-        self._llm = None
+        self._llm: Any = None  # vllm.LLM once started (vLLM is imported only then)
         self.kv_cache_bytes: int | None = None
         self.max_concurrent_sequences: int | None = None
         self._model_ref = None  # a weak reference to the in-process model: close checks that it is freed
@@ -107,11 +120,18 @@ class VLLMRolloutEngine(RolloutEngine):
             if self.in_memory_sync == "auto":
                 self.in_memory_sync = "layerwise" if on_cpu else "direct"
             elif self.in_memory_sync == "direct" and on_cpu:
-                raise ValueError("in_memory_sync='direct' cannot load into vLLM's CPU build, whose linear layers repack "
-                                 "their weights after loading (their parameters are empty then): use 'layerwise'")
+                raise ValueError(
+                    "in_memory_sync='direct' cannot load into vLLM's CPU build, whose linear layers repack "
+                    "their weights after loading (their parameters are empty then): use 'layerwise'"
+                )
             if on_cpu:
-                options = cpu_engine_options(model_dir, self.dtype, self.max_model_len, self.kv_cache_memory_bytes,
-                                             self.engine_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
+                options = cpu_engine_options(
+                    model_dir,
+                    self.dtype,
+                    self.max_model_len,
+                    self.kv_cache_memory_bytes,
+                    self.engine_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS),
+                )
             elif self.kv_cache_memory_bytes is not None:
                 options = {"kv_cache_memory_bytes": int(self.kv_cache_memory_bytes)}
             else:
@@ -135,7 +155,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
-                    dtype=self.dtype,
+                    dtype=self.dtype,  # type: ignore[arg-type]  # our names are vLLM's (dapo.config checks them)
                     max_model_len=self.max_model_len,
                     tensor_parallel_size=self.tensor_parallel_size,
                     seed=self.seed,
@@ -153,8 +173,12 @@ class VLLMRolloutEngine(RolloutEngine):
                     _live_inprocess = None
             raise
         self.start_seconds = time.perf_counter() - started
-        logger.info("vLLM engine on %s started in %.1f s (%s)", model_dir, self.start_seconds,
-                    "in-process" if self._inprocess else "worker processes")
+        logger.info(
+            "vLLM engine on %s started in %.1f s (%s)",
+            model_dir,
+            self.start_seconds,
+            "in-process" if self._inprocess else "worker processes",
+        )
 
     def _find_tied_aliases(self) -> dict[str, str] | None:
         """{alias: canonical} of the live model's parameters registered under two names
@@ -186,8 +210,10 @@ class VLLMRolloutEngine(RolloutEngine):
                     release_closed_engine_memory()
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
-            logger.warning("the closed vLLM engine's model is still referenced (%d referrer(s)): its memory is not returned",
-                           len(gc.get_referrers(model)))
+            logger.warning(
+                "the closed vLLM engine's model is still referenced (%d referrer(s)): its memory is not returned",
+                len(gc.get_referrers(model)),
+            )
         del model
         with _live_lock:
             if _live_inprocess is self:
@@ -210,7 +236,9 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.set_num_threads(threads)
 
     # --- generation -----------------------------------------------------------
-    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None) -> list[Completion]:
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None
+    ) -> list[Completion]:
         from vllm import SamplingParams
 
         keys, prompts, params = [], [], []
@@ -260,7 +288,9 @@ class VLLMRolloutEngine(RolloutEngine):
             sample = output.outputs[0]
             tokens = list(sample.token_ids)
             if sample.logprobs is None or len(sample.logprobs) != len(tokens):
-                raise RuntimeError(f"vLLM returned no log-prob for some tokens of prompt {prompt_index}, sample {sample_index}")
+                raise RuntimeError(
+                    f"vLLM returned no log-prob for some tokens of prompt {prompt_index}, sample {sample_index}"
+                )
             token_lists.append(tokens)
             lp_lists.append([float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)])
             if sample.finish_reason not in ("stop", "length"):
@@ -282,7 +312,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # --- weights --------------------------------------------------------------
     def _reload_in_place_possible(self, checkpoint_dir: str) -> str:
-        """"" when the in-place reload gives the checkpoint's weights, else why not."""
+        """ "" when the in-place reload gives the checkpoint's weights, else why not."""
         if self._inprocess:
             names = set(checkpoint_tensor_names(checkpoint_dir))
             missing = sorted(c for a, c in (self._tied_aliases or {}).items() if a not in names and c not in names)
@@ -311,7 +341,9 @@ class VLLMRolloutEngine(RolloutEngine):
                         llm.collective_rpc("reload_weights", kwargs={"weights_path": os.path.abspath(checkpoint_dir)})
                     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         except Exception:
-            logger.warning("in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True)
+            logger.warning(
+                "in-place weight reload from %s failed; restarting the vLLM engine on it", checkpoint_dir, exc_info=True
+            )
             self._restart(checkpoint_dir, started)
             return
         self.last_reload_mode = "in_place"
@@ -338,7 +370,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._reload_in_process(recorded())
         missing = sorted(c for a, c in (self._tied_aliases or {}).items() if a not in names and c not in names)
         if missing:
-            raise RuntimeError(f"tied parameter(s) {missing} not among the synced tensors: the engine holds stale weights")
+            raise RuntimeError(
+                f"tied parameter(s) {missing} not among the synced tensors: the engine holds stale weights"
+            )
         self.last_reload_mode = "in_memory"
         self.last_reload_seconds = time.perf_counter() - started
         logger.info("synced %d tensors into vLLM in memory in %.3f s", len(names), self.last_reload_seconds)
@@ -461,9 +495,12 @@ def start_memory_problem(free_bytes: int, total_bytes: int, utilization: float) 
     if wanted <= free_bytes:
         return ""
     gib = 2**30
-    return (f"the vLLM engine would reserve gpu_memory_utilization={utilization} x {total_bytes / gib:.1f} GiB = "
-            f"{wanted / gib:.1f} GiB, but {free_bytes / gib:.1f} GiB are free ({(total_bytes - free_bytes) / gib:.1f} GiB "
-            "held by others, e.g. the colocated trainer): lower rollout.colocated_rollout_gpu_memory, or the trainer's memory")
+    return (
+        f"the vLLM engine would reserve gpu_memory_utilization={utilization} x {total_bytes / gib:.1f} GiB = "
+        f"{wanted / gib:.1f} GiB, but {free_bytes / gib:.1f} GiB are free ({(total_bytes - free_bytes) / gib:.1f} GiB "
+        "held by others, e.g. the colocated trainer): lower rollout.colocated_rollout_gpu_memory, "
+        "or the trainer's memory"
+    )
 
 
 def wake_up_problem(slept_bytes: int, free_bytes: int) -> str:
@@ -471,9 +508,11 @@ def wake_up_problem(slept_bytes: int, free_bytes: int) -> str:
     if slept_bytes <= free_bytes:
         return ""
     gib = 2**30
-    return (f"waking the vLLM engine needs the {slept_bytes / gib:.2f} GiB its sleep freed, but {free_bytes / gib:.2f} GiB "
-            "are free after the update (the trainer holds the rest): lower rollout.colocated_rollout_gpu_memory, or the "
-            "trainer's memory (trainer.micro_batch_size, trainer.zero_stage)")
+    return (
+        f"waking the vLLM engine needs the {slept_bytes / gib:.2f} GiB its sleep freed, but {free_bytes / gib:.2f} GiB "
+        "are free after the update (the trainer holds the rest): lower rollout.colocated_rollout_gpu_memory, or the "
+        "trainer's memory (trainer.micro_batch_size, trainer.zero_stage)"
+    )
 
 
 def tied_parameter_aliases(model) -> dict[str, str]:

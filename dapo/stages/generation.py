@@ -10,6 +10,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -52,8 +53,13 @@ def training_sampling(config: StepConfig, seed: int):
     L_max tokens at the rollout temperature and top_p."""
     from dapo.rollout import SamplingSettings
 
-    return SamplingSettings(n=config.n_samples_per_prompt, max_tokens=config.max_response_length,
-                            temperature=config.temperature, top_p=config.top_p, seed=seed)
+    return SamplingSettings(
+        n=config.n_samples_per_prompt,
+        max_tokens=config.max_response_length,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=seed,
+    )
 
 
 def round_prompts(config: StepConfig, records: list[PromptRecord], step: int, round_index: int) -> list[PromptRecord]:
@@ -63,7 +69,14 @@ def round_prompts(config: StepConfig, records: list[PromptRecord], step: int, ro
 
 
 def rollout(
-    config: StepConfig, policy_dir: str, data_dir: str, step: int, round_index: int, shard: int = 0, progress=None, engine=None
+    config: StepConfig,
+    policy_dir: str,
+    data_dir: str,
+    step: int,
+    round_index: int,
+    shard: int = 0,
+    progress=None,
+    engine=None,
 ) -> tuple[pa.Table, dict[str, float]]:
     """Sample G responses for each prompt of this round's slice `shard` (of config.rollout_shards).
 
@@ -82,8 +95,14 @@ def rollout(
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     keep = [k for k, n in enumerate(lengths) if n <= config.max_prompt_length]
     if len(keep) < len(indices):
-        logger.warning("step %d round %d shard %d: %d prompt(s) longer than max_prompt_length=%d skipped",
-                       step, round_index, shard, len(indices) - len(keep), config.max_prompt_length)
+        logger.warning(
+            "step %d round %d shard %d: %d prompt(s) longer than max_prompt_length=%d skipped",
+            step,
+            round_index,
+            shard,
+            len(indices) - len(keep),
+            config.max_prompt_length,
+        )
     indices, texts = [indices[k] for k in keep], [texts[k] for k in keep]
 
     sampling = training_sampling(config, derived_seed(config, "sampling", step, round_index, shard))
@@ -91,9 +110,15 @@ def rollout(
     completions = engine.generate(texts, sampling, progress=progress)
     seconds = time.perf_counter() - started
     crash_point("rollout", step)
-    table = completion_table(completions, [chosen[i] for i in indices], texts, group_prefix=f"s{step}-r{round_index}", prompt_indices=indices)
+    table = completion_table(
+        completions, [chosen[i] for i in indices], texts, group_prefix=f"s{step}-r{round_index}", prompt_indices=indices
+    )
     tokens = sum(len(c.token_ids) for c in completions)
-    return table, {"rollout/seconds": seconds, "rollout/tokens": float(tokens), "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+    return table, {
+        "rollout/seconds": seconds,
+        "rollout/tokens": float(tokens),
+        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+    }
 
 
 ROLLOUT_METRICS_KEY = b"dapo.rollout_metrics"
@@ -102,7 +127,9 @@ ROLLOUT_METRICS_KEY = b"dapo.rollout_metrics"
 
 def with_rollout_metrics(table: pa.Table, metrics: dict[str, float]) -> pa.Table:
     """The table carrying its rollout metrics in its schema metadata (a map task has one output)."""
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), ROLLOUT_METRICS_KEY: json.dumps(metrics).encode()})
+    return table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), ROLLOUT_METRICS_KEY: json.dumps(metrics).encode()}
+    )
 
 
 def rollout_metrics_of(table: pa.Table) -> dict[str, float]:
@@ -115,10 +142,16 @@ def merge_shards(tables: list[pa.Table]) -> tuple[pa.Table, dict[str, float]]:
     summed, seconds the slowest shard's (shards run in parallel on a cluster)."""
     metrics = [rollout_metrics_of(t) for t in tables]
     tokens = sum(m.get("rollout/tokens", 0.0) for m in metrics)
-    seconds, reward_seconds = (max((m.get(key, 0.0) for m in metrics), default=0.0) for key in ("rollout/seconds", "reward/seconds"))
+    seconds, reward_seconds = (
+        max((m.get(key, 0.0) for m in metrics), default=0.0) for key in ("rollout/seconds", "reward/seconds")
+    )
     merged = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
-    return merged, {"rollout/seconds": seconds, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
-                    "reward/seconds": reward_seconds}
+    return merged, {
+        "rollout/seconds": seconds,
+        "rollout/tokens": tokens,
+        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "reward/seconds": reward_seconds,
+    }
 
 
 def timed_rewards(config: StepConfig, responses: pa.Table, step: int, metrics: dict[str, float]) -> pa.Table:
@@ -140,8 +173,10 @@ def sample_batch(
     batch, state = None, SamplingState()
     shards = range(config.rollout_shards) if groups is None else groups.shards(config.rollout_shards)
     while not state.done:
-        tables = [with_rollout_metrics(*rollout(config, policy_dir, data_dir, step, state.rounds, shard, engine=engine))
-                  for shard in shards]
+        tables = [
+            with_rollout_metrics(*rollout(config, policy_dir, data_dir, step, state.rounds, shard, engine=engine))
+            for shard in shards
+        ]
         responses, metrics = merge_shards(tables)
         if groups is None:
             scored, metrics = merge_shards([timed_rewards(config, responses, step, metrics)])
@@ -170,10 +205,11 @@ def round_sequences_per_engine(config: StepConfig) -> int:
 def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
     """The process's rollout engine, holding policy_dir's weights.
 
-    colocated (dapo.colocated: the trainer in this process), vLLM shares the GPU with the trainer (colocated_rollout_gpu_memory), and
-    under a launcher of several ranks each tensor_parallel_size consecutive ranks form one
-    engine (vLLM's torchrun-compatible "external_launcher" executor: no worker processes,
-    the ranks' own process group), config.rollout_groups engines in all."""
+    colocated (dapo.colocated: the trainer in this process), vLLM shares the GPU with the
+    trainer (colocated_rollout_gpu_memory), and under a launcher of several ranks each
+    tensor_parallel_size consecutive ranks form one engine (vLLM's torchrun-compatible
+    "external_launcher" executor: no worker processes, the ranks' own process group),
+    config.rollout_groups engines in all."""
     import torch
 
     from dapo.rollout import cached_rollout_engine
@@ -185,27 +221,38 @@ def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
             "dapo_loop's rollout pods request tensor_parallel_size GPUs: "
             "was this task started outside its workflow, or on a node with fewer GPUs than it asked for?"
         )
-    options = {}
+    options: dict[str, Any] = {}
     if config.rollout_backend == "vllm" and vllm_on_cpu():
         # its KV cache is host memory: sized to the round this engine generates, not vLLM's 256 sequences
         options["max_num_seqs"] = round_sequences_per_engine(config)
     if colocated and config.rollout_backend == "vllm":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:
-            options.update(distributed_executor_backend="external_launcher", data_parallel_size=world // config.tensor_parallel_size)
+            options.update(
+                distributed_executor_backend="external_launcher",
+                data_parallel_size=world // config.tensor_parallel_size,
+            )
         if gpus:
             options["gpu_memory_utilization"] = config.colocated_rollout_gpu_memory
             if config.colocated_release_rollout_memory:
                 options["enable_sleep_mode"] = True
     return cached_rollout_engine(
-        config.rollout_backend, policy_dir, dtype=config.dtype,
+        config.rollout_backend,
+        policy_dir,
+        dtype=config.dtype,
         max_model_len=config.max_prompt_length + config.max_response_length,
-        tensor_parallel_size=config.tensor_parallel_size, seed=config.seed, **options,
+        tensor_parallel_size=config.tensor_parallel_size,
+        seed=config.seed,
+        **options,
     )
 
 
 def completion_table(
-    completions, records: list[PromptRecord], texts: list[str], group_prefix: str, prompt_indices: list[int] | None = None
+    completions,
+    records: list[PromptRecord],
+    texts: list[str],
+    group_prefix: str,
+    prompt_indices: list[int] | None = None,
 ) -> pa.Table:
     """Completions as ROLLOUT_SCHEMA rows; a group is one prompt of one round.
 
@@ -213,8 +260,14 @@ def completion_table(
     """
     indices = prompt_indices or list(range(len(records)))
     prompts = [
-        {"group_id": f"{group_prefix}-p{indices[i]}-{r.uid}", "prompt_uid": r.uid, "prompt": text, "ground_truth": r.ground_truth,
-         "data_source": r.data_source, "extra_info": r.extra_info}
+        {
+            "group_id": f"{group_prefix}-p{indices[i]}-{r.uid}",
+            "prompt_uid": r.uid,
+            "prompt": text,
+            "ground_truth": r.ground_truth,
+            "data_source": r.data_source,
+            "extra_info": r.extra_info,
+        }
         for i, (r, text) in enumerate(zip(records, texts))
     ]
     return rows_table(completions, prompts)

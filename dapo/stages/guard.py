@@ -4,7 +4,6 @@ persists."""
 
 from __future__ import annotations
 
-
 import pyarrow as pa
 
 from dapo.config import StepConfig
@@ -23,7 +22,9 @@ class RolloutMismatch(RuntimeError):
     """The rollout engine's log-probs disagree with the trainer's, even after a restart."""
 
 
-def rollout_guard_message(config: StepConfig, gap: float, step: int, checkpoint_dir: str = "", regenerated: bool = True) -> str:
+def rollout_guard_message(
+    config: StepConfig, gap: float, step: int, checkpoint_dir: str = "", regenerated: bool = True
+) -> str:
     """The error that stops a run: the gap, the checkpoint, what was tried and the likely cause."""
     where = checkpoint_dir or f"the checkpoint step {step} started from (after {step} updates: MLflow step {step})"
     tried = (
@@ -39,14 +40,21 @@ def rollout_guard_message(config: StepConfig, gap: float, step: int, checkpoint_
     )
 
 
-def check_rollout_guard(config: StepConfig, step_metrics: dict[str, float], step: int, checkpoint_dir: str = "") -> None:
+def check_rollout_guard(
+    config: StepConfig, step_metrics: dict[str, float], step: int, checkpoint_dir: str = ""
+) -> None:
     """Raise RolloutMismatch when policy_step stopped on the rollout guard (after the
     metrics are delivered: the caller logs them first)."""
     if step_metrics.get("guard/stopped", 0.0) > 0:
-        raise RolloutMismatch(rollout_guard_message(
-            config, step_metrics.get("guard/rollout_logprob_gap", float("nan")), step, checkpoint_dir,
-            regenerated=step_metrics.get("guard/regenerated", 0.0) > 0,
-        ))
+        raise RolloutMismatch(
+            rollout_guard_message(
+                config,
+                step_metrics.get("guard/rollout_logprob_gap", float("nan")),
+                step,
+                checkpoint_dir,
+                regenerated=step_metrics.get("guard/regenerated", 0.0) > 0,
+            )
+        )
 
 
 def default_regenerator(config: StepConfig, policy_dir: str, step: int):
@@ -62,17 +70,21 @@ def default_regenerator(config: StepConfig, policy_dir: str, step: int):
     return lambda batch: regenerate_batch(config, policy_dir, batch, step)
 
 
-def regenerate_batch(config: StepConfig, policy_dir: str, batch: pa.Table, step: int, colocated: bool = False) -> pa.Table:
+def regenerate_batch(
+    config: StepConfig, policy_dir: str, batch: pa.Table, step: int, colocated: bool = False
+) -> pa.Table:
     """The batch's prompts sampled again by a rollout engine started fresh on policy_dir,
     scored, and (with dynamic sampling) filtered to informative groups; group ids kept."""
     from dapo.rollout import close_cached_rollout_engine
 
     close_cached_rollout_engine()  # no state of the old engine survives
     engine = policy_engine(config, policy_dir, colocated)
-    firsts = {}
+    firsts: dict[object, dict] = {}
     for row in batch.select(PROMPT_COLUMNS).to_pylist():
         firsts.setdefault(row["group_id"], row)
     groups = list(firsts.values())
-    completions = engine.generate([g["prompt"] for g in groups], training_sampling(config, derived_seed(config, "regenerate", step)))
+    completions = engine.generate(
+        [g["prompt"] for g in groups], training_sampling(config, derived_seed(config, "regenerate", step))
+    )
     table = rows_table(completions, groups)
     return kept_groups(config, verify_rewards(config, table, step))

@@ -13,6 +13,7 @@ from dapo.config import StepConfig
 from dapo.rewards import format_reward_weight, score_responses
 from dapo.sampling import SamplingState, informative_groups
 
+
 def scoring_settings(config: StepConfig, step: int | None) -> dict[str, float]:
     """score_response's keyword arguments at this step: L_max, L_cache, the overlong
     factor (0 when the soft punishment is off), the decayed format-reward weight (0 when
@@ -21,7 +22,9 @@ def scoring_settings(config: StepConfig, step: int | None) -> dict[str, float]:
         "max_len": config.max_response_length,
         "buffer_len": config.overlong_buffer_len,
         "overlong_factor": config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
-        "format_weight": 0.0 if step is None else format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
+        "format_weight": 0.0
+        if step is None
+        else format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
         "timeout_s": config.reward_timeout_seconds,
     }
 
@@ -35,10 +38,16 @@ def verify_rewards(config: StepConfig, table: pa.Table, step: int | None) -> pa.
     """Score every response: R_task by its row's scorer, the soft overlong penalty and the
     soft format reward (rewards.score_response); step None: validation's scoring."""
     columns = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pydict()
-    extra_infos = [{**json.loads(extra or "{}"), "data_source": source} for extra, source in zip(columns["extra_info"], columns["data_source"])]
+    extra_infos = [
+        {**json.loads(extra or "{}"), "data_source": source}
+        for extra, source in zip(columns["extra_info"], columns["data_source"])
+    ]
     scores = score_responses(
-        columns["response_text"], columns["ground_truth"], [len(ids) for ids in table.column("response_token_ids").to_pylist()],
-        scorers=[row_scorer(config, source) for source in columns["data_source"]], extra_infos=extra_infos,
+        columns["response_text"],
+        columns["ground_truth"],
+        [len(ids) for ids in table.column("response_token_ids").to_pylist()],
+        scorers=[row_scorer(config, source) for source in columns["data_source"]],
+        extra_infos=extra_infos,
         **scoring_settings(config, step),
     )
     for field in REWARD_FIELDS:
@@ -48,19 +57,28 @@ def verify_rewards(config: StepConfig, table: pa.Table, step: int | None) -> pa.
 
 
 def filter_groups(
-    config: StepConfig, scored: pa.Table, kept: pa.Table | None, state: SamplingState, rollout_metrics: dict[str, float] | None = None
+    config: StepConfig,
+    scored: pa.Table,
+    kept: pa.Table | None,
+    state: SamplingState,
+    rollout_metrics: dict[str, float] | None = None,
 ) -> tuple[pa.Table, SamplingState]:
     """Add this round's informative groups to the batch (all groups without dynamic sampling)."""
     rollout_metrics = rollout_metrics or {}
     round_kept = kept_groups(config, scored)
     batch = round_kept if kept is None or kept.num_rows == 0 else pa.concat_tables([kept, round_kept])
     state = state.after_round(
-        len(set(scored.column("group_id").to_pylist())), len(set(round_kept.column("group_id").to_pylist())),
+        len(set(scored.column("group_id").to_pylist())),
+        len(set(round_kept.column("group_id").to_pylist())),
         target_groups=config.train_prompt_bsz,
-        max_rounds=config.max_num_gen_batches if config.dynamic_sampling else 1,  # without dynamic sampling one round is the batch
-        rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0), rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
+        max_rounds=config.max_num_gen_batches
+        if config.dynamic_sampling
+        else 1,  # without dynamic sampling one round is the batch
+        rollout_tokens=rollout_metrics.get("rollout/tokens", 0.0),
+        rollout_seconds=rollout_metrics.get("rollout/seconds", 0.0),
         reward_seconds=rollout_metrics.get("reward/seconds", 0.0),
-        scored_responses=scored.num_rows, unverified_notes=unverified_notes(scored),
+        scored_responses=scored.num_rows,
+        unverified_notes=unverified_notes(scored),
     )
     if state.done:
         batch = first_groups(batch, config.train_prompt_bsz)
@@ -79,7 +97,9 @@ def kept_groups(config: StepConfig, scored: pa.Table) -> pa.Table:
 
 def unverified_notes(scored: pa.Table) -> list[str]:
     """Why each response without a verdict has none, with the response's start."""
-    rows = scored.filter(pc.greater(scored.column("unverified"), 0)).select(["verdict_note", "response_text"]).to_pylist()
+    rows = (
+        scored.filter(pc.greater(scored.column("unverified"), 0)).select(["verdict_note", "response_text"]).to_pylist()
+    )
     return [f"{row['verdict_note'] or 'no verdict'} (response starting {row['response_text'][:60]!r})" for row in rows]
 
 

@@ -15,7 +15,15 @@ from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig
 from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, write_embedded_splits
 from dapo.gym_tasks import DATA_SOURCE as GYM_DATA_SOURCE
 from dapo.gym_tasks import DEFAULT_VAL_SIZE, VAL_SEED_OFFSET, GymRow, generate_rows, is_gym_spec, parse_spec
-from dapo.model_source import convert_gguf, hub_commit, is_gguf_source, is_hub_name, locate_gguf, model_digest, parameter_count
+from dapo.model_source import (
+    convert_gguf,
+    hub_commit,
+    is_gguf_source,
+    is_hub_name,
+    locate_gguf,
+    model_digest,
+    parameter_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +72,12 @@ def prepare_data(config: DataConfig, out_dir: str | Path) -> dict[str, float]:
         records, report = load_prompts(source, on_bad_row=config.on_bad_row)
         write_records(records, out_dir / name)
         split = name.split(".")[0]
-        counts = {"rows": report.rows_read, "kept": report.kept, "duplicates": report.duplicates_dropped, "bad_rows": report.bad_rows_skipped}
+        counts = {
+            "rows": report.rows_read,
+            "kept": report.kept,
+            "duplicates": report.duplicates_dropped,
+            "bad_rows": report.bad_rows_skipped,
+        }
         stats.update({f"data/{split}_{name}": float(value) for name, value in counts.items()})
     return stats
 
@@ -77,23 +90,35 @@ def prepare_gym_data(config: DataConfig, out_dir: Path) -> dict[str, float]:
     if is_gym_spec(config.val_data_path):
         val_spec = parse_spec(config.val_data_path)
     elif config.val_data_path:
-        raise ValueError(f"data.val_data_path={config.val_data_path!r}: with reasoning_gym: training data, give a "
-                         "reasoning_gym: spec (or nothing: another seed of the training spec)")
+        raise ValueError(
+            f"data.val_data_path={config.val_data_path!r}: with reasoning_gym: training data, give a "
+            "reasoning_gym: spec (or nothing: another seed of the training spec)"
+        )
     else:
         val_spec = train_spec.with_seed(train_spec.seed + VAL_SEED_OFFSET, DEFAULT_VAL_SIZE)
     train_rows, val_rows = _unique(generate_rows(train_spec)), _unique(generate_rows(val_spec))
     train_questions = {row.question for row in train_rows}
     held_out = [row for row in val_rows if row.question not in train_questions]
     overlap = len(train_questions & {row.question for row in held_out})
-    print(f"reasoning-gym: {len(train_rows)} training and {len(val_rows)} validation questions; "
-          f"{len(val_rows) - len(held_out)} validation questions also in training dropped; overlap now {overlap}", flush=True)
+    print(
+        f"reasoning-gym: {len(train_rows)} training and {len(val_rows)} validation questions; "
+        f"{len(val_rows) - len(held_out)} validation questions also in training dropped; overlap now {overlap}",
+        flush=True,
+    )
     if not held_out:
         raise ValueError(f"data.val_data_path: every validation question of {val_spec} is also a training question")
     stats: dict[str, float] = {}
     for name, rows, spec_size in ((TRAIN_FILE, train_rows, train_spec.size), (VAL_FILE, held_out, len(val_rows))):
-        records = [PromptRecord(uid=str(i), messages=(("user", config.question_template.format(problem=row.question)),),
-                                ground_truth=row.answer, data_source=GYM_DATA_SOURCE, extra_info=json.dumps(row.source, sort_keys=True))
-                   for i, row in enumerate(rows)]
+        records = [
+            PromptRecord(
+                uid=str(i),
+                messages=(("user", config.question_template.format(problem=row.question)),),
+                ground_truth=row.answer,
+                data_source=GYM_DATA_SOURCE,
+                extra_info=json.dumps(row.source, sort_keys=True),
+            )
+            for i, row in enumerate(rows)
+        ]
         write_records(records, out_dir / name)
         split = name.split(".")[0]
         stats.update({f"data/{split}_rows": float(spec_size), f"data/{split}_kept": float(len(records))})
@@ -103,8 +128,10 @@ def prepare_gym_data(config: DataConfig, out_dir: Path) -> dict[str, float]:
 
 def _unique(rows: list[GymRow]) -> list[GymRow]:
     """The first row of each question (small generators repeat questions)."""
-    seen: set[str] = set()
-    return [row for row in rows if not (row.question in seen or seen.add(row.question))]
+    first: dict[str, GymRow] = {}
+    for row in rows:
+        first.setdefault(row.question, row)
+    return list(first.values())
 
 
 def write_records(records: list[PromptRecord], path: Path) -> None:
@@ -131,8 +158,9 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str, out_dir: str | Pat
         if not config.model_path:
             from dapo.policy import TinyPolicySpec, build_tiny_policy
 
-            spec = TinyPolicySpec.for_task(embedded_task, config.embedded_warm_start_steps,
-                                           config.embedded_layout_noise, seed=EMBEDDED_SEED)
+            spec = TinyPolicySpec.for_task(
+                embedded_task, config.embedded_warm_start_steps, config.embedded_layout_noise, seed=EMBEDDED_SEED
+            )
             stats = build_tiny_policy(scratch, spec, progress=progress)
         elif is_gguf_source(config.model_path):
             stats = convert_gguf(locate_gguf(config.model_path), scratch)
@@ -144,8 +172,12 @@ def bootstrap_policy(config: ModelConfig, embedded_task: str, out_dir: str | Pat
             try:
                 snapshot = snapshot_download(config.model_path, revision=config.model_revision or None)
             except Exception as error:
-                raise RuntimeError(f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}") from error
-            shutil.copytree(snapshot, scratch, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*"))  # the files, not the cache's links
+                raise RuntimeError(
+                    f"model_path={config.model_path!r} is neither a local directory nor downloadable: {error}"
+                ) from error
+            shutil.copytree(
+                snapshot, scratch, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*")
+            )  # the files, not the cache's links
         if not (Path(scratch) / "config.json").exists():
             raise FileNotFoundError(f"model_path={config.model_path!r}: no config.json in the checkpoint")
         with_chat_template(scratch, config)
@@ -163,6 +195,7 @@ def with_chat_template(checkpoint_dir: str | Path, config: ModelConfig) -> None:
         tokenizer.save_pretrained(checkpoint_dir)
     elif not tokenizer.chat_template:
         raise ConfigError(
-            f"model.model_path={config.model_path!r}: its tokenizer has no chat template, and prompts are rendered with one: "
-            "set model.chat_template (a Jinja template; e.g. \"{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\" for plain prompts)"
+            f"model.model_path={config.model_path!r}: its tokenizer has no chat template, and prompts are rendered "
+            "with one: set model.chat_template (a Jinja template; e.g. "
+            "\"{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\" for plain prompts)"
         )

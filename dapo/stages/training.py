@@ -20,7 +20,12 @@ logger = logging.getLogger(__name__)
 
 
 def policy_step(
-    config: StepConfig, policy_dir: str, batch: pa.Table, state: SamplingState, step: int, out_dir: str | Path,
+    config: StepConfig,
+    policy_dir: str,
+    batch: pa.Table,
+    state: SamplingState,
+    step: int,
+    out_dir: str | Path,
     regenerate="default",
 ) -> dict[str, float]:
     """One DAPO update on the filtered batch by a trainer started on policy_dir for this step
@@ -91,7 +96,9 @@ def stops_on_unverified(config: StepConfig, state: SamplingState, step: int, met
     if state.unverified_share <= config.max_unverified_share:
         return False
     metrics["reward/stopped"] = 1.0
-    logger.error("%s; the first reasons: %s", unverified_message(config, metrics, step), "; ".join(state.unverified_notes))
+    logger.error(
+        "%s; the first reasons: %s", unverified_message(config, metrics, step), "; ".join(state.unverified_notes)
+    )
     return True
 
 
@@ -100,16 +107,20 @@ class TooManyUnverified(RuntimeError):
 
 
 def unverified_message(config: StepConfig, metrics: dict[str, float], step: int) -> str:
-    return (f"step {step + 1}: {metrics['reward/unverified_share']:.1%} of the responses scored got no verdict "
-            f"(max_unverified_share {config.max_unverified_share:g}), so their rewards are not trusted and the run stops "
-            "with the policy of the step before")
+    return (
+        f"step {step + 1}: {metrics['reward/unverified_share']:.1%} of the responses scored got no verdict "
+        f"(max_unverified_share {config.max_unverified_share:g}), so their rewards are not trusted and the run stops "
+        "with the policy of the step before"
+    )
 
 
 def check_verdicts(config: StepConfig, step_metrics: dict[str, float], step: int) -> None:
     """Raise TooManyUnverified when the step stopped on unverified verdicts (after the
     metrics are delivered: the caller logs them first)."""
     if step_metrics.get("reward/stopped", 0.0) > 0:
-        raise TooManyUnverified(unverified_message(config, step_metrics, step) + " (the first reasons are in the step's log)")
+        raise TooManyUnverified(
+            unverified_message(config, step_metrics, step) + " (the first reasons are in the step's log)"
+        )
 
 
 def skips_update(config: StepConfig, batch: pa.Table, state: SamplingState, step: int) -> bool:
@@ -118,16 +129,30 @@ def skips_update(config: StepConfig, batch: pa.Table, state: SamplingState, step
     index of the step's input checkpoint; messages name the step as its step line does (step + 1)."""
     groups, target = len(set(batch.column("group_id").to_pylist())), config.train_prompt_bsz
     if groups == 0 or (groups < target and config.on_short_batch == "skip"):
-        logger.warning("step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
-                       step + 1, groups, state.rounds, target, config.on_short_batch)
+        logger.warning(
+            "step %d skipped: %d informative group(s) after %d round(s) (need %d, on_short_batch=%s)",
+            step + 1,
+            groups,
+            state.rounds,
+            target,
+            config.on_short_batch,
+        )
         return True
     if groups < target:
-        logger.warning("step %d trains on a short batch: %d of %d groups after %d round(s)", step + 1, groups, target, state.rounds)
+        logger.warning(
+            "step %d trains on a short batch: %d of %d groups after %d round(s)", step + 1, groups, target, state.rounds
+        )
     return False
 
 
 def train_on_batch(
-    trainer, config: StepConfig, batch: pa.Table, step: int, metrics: dict[str, float], regenerate, policy_label: str = ""
+    trainer,
+    config: StepConfig,
+    batch: pa.Table,
+    step: int,
+    metrics: dict[str, float],
+    regenerate,
+    policy_label: str = "",
 ) -> bool:
     """One DAPO update of `trainer` on the batch, behind the rollout guard; adds the update's
     metrics (actor/, train/, guard/) to `metrics`. Returns whether the policy was updated.
@@ -151,8 +176,14 @@ def train_on_batch(
             metrics["guard/stopped"] = 1.0
             logger.error("%s", rollout_guard_message(config, exceeded.gap, step, policy_label, regenerated=False))
             return False
-        logger.warning("step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
-                       "and regenerating it", step + 1, exceeded.gap, threshold, policy_label or "the policy")
+        logger.warning(
+            "step %d: rollout log-prob gap %.4g > %.3g: batch refused; restarting the rollout engine on %s "
+            "and regenerating it",
+            step + 1,
+            exceeded.gap,
+            threshold,
+            policy_label or "the policy",
+        )
         metrics["guard/regenerated"] = 1.0
         batch = regenerate(batch)
         metrics["guard/regenerated_groups"] = float(len(set(batch.column("group_id").to_pylist())))
@@ -160,7 +191,9 @@ def train_on_batch(
             logger.warning("step %d skipped: the regenerated batch has no informative group", step + 1)
             return False
         try:
-            update = policy_update(trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold)
+            update = policy_update(
+                trainer, batch, config, step, temperature=config.temperature, max_rollout_gap=threshold
+            )
         except RolloutGapExceeded as again:
             metrics["guard/stopped"] = 1.0
             metrics["guard/regenerated_logprob_gap"] = again.gap
@@ -168,7 +201,9 @@ def train_on_batch(
             return False
     else:
         metrics["guard/rollout_logprob_gap"] = update["rollout_logprob_diff"]
-    metrics.update({key if "/" in key else f"actor/{key}": value for key, value in update.items()})  # rollout_corr/ keeps its group
+    metrics.update(
+        {key if "/" in key else f"actor/{key}": value for key, value in update.items()}
+    )  # rollout_corr/ keeps its group
     metrics.update(batch_metrics(batch, prefix="train/"))
     return True
 

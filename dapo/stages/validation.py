@@ -13,7 +13,10 @@ from dapo.stages.generation import completion_table, derived_seed, policy_engine
 from dapo.stages.scoring import batch_metrics, verify_rewards
 from dapo.stages.setup import VAL_FILE
 
-def evaluate(config: StepConfig, policy_dir: str, data_dir: str, step: int, n_samples_table: int = 8) -> tuple[dict[str, float], list[dict]]:
+
+def evaluate(
+    config: StepConfig, policy_dir: str, data_dir: str, step: int, n_samples_table: int = 8
+) -> tuple[dict[str, float], list[dict]]:
     """avg@k accuracy on the held-out split at (val_temperature, val_top_p), the policy's
     entropy there (config.val_entropy); and a few samples."""
     from transformers import AutoTokenizer
@@ -22,12 +25,22 @@ def evaluate(config: StepConfig, policy_dir: str, data_dir: str, step: int, n_sa
     metrics = {f"val/{k}": v for k, v in batch_metrics(scored).items()}
     prompt_lengths = [len(ids) for ids in scored.column("prompt_token_ids").to_pylist()]
     metrics["val/prompt_length_mean"] = sum(prompt_lengths) / len(prompt_lengths)
-    metrics["val/system_prompt_tokens"] = float(system_prompt_tokens(AutoTokenizer.from_pretrained(policy_dir), config.system_prompt))
+    metrics["val/system_prompt_tokens"] = float(
+        system_prompt_tokens(AutoTokenizer.from_pretrained(policy_dir), config.system_prompt)
+    )
     if config.val_entropy:
-        metrics["val/entropy"] = policy_entropy(policy_dir, scored, config.temperature, max_tokens=config.max_tokens_per_micro_batch)
+        metrics["val/entropy"] = policy_entropy(
+            policy_dir, scored, config.temperature, max_tokens=config.max_tokens_per_micro_batch
+        )
     first_samples = scored.filter(pc.equal(scored.column("sample_index"), 0)).slice(0, n_samples_table)
     samples = [
-        {"step": step, "problem": row["prompt"][-120:], "ground_truth": row["ground_truth"], "response": row["response_text"], "acc": row["acc"]}
+        {
+            "step": step,
+            "problem": row["prompt"][-120:],
+            "ground_truth": row["ground_truth"],
+            "response": row["response_text"],
+            "acc": row["acc"],
+        }
         for row in first_samples.to_pylist()
     ]
     return metrics, samples
@@ -47,8 +60,11 @@ def validation_samples(config: StepConfig, policy_dir: str, data_dir: str) -> pa
     texts = [render_prompt(r, tokenizer, config.system_prompt) for r in records]
     engine = policy_engine(config, policy_dir)
     sampling = SamplingSettings(
-        n=config.val_n_samples, max_tokens=config.max_response_length,
-        temperature=config.val_temperature, top_p=config.val_top_p, seed=derived_seed(config, "validation"),
+        n=config.val_n_samples,
+        max_tokens=config.max_response_length,
+        temperature=config.val_temperature,
+        top_p=config.val_top_p,
+        seed=derived_seed(config, "validation"),
     )
     completions = engine.generate(texts, sampling)
     return verify_rewards(config, completion_table(completions, records, texts, group_prefix="val"), step=None)
@@ -73,12 +89,15 @@ def policy_entropy(
     pad_token_id = AutoTokenizer.from_pretrained(policy_dir).pad_token_id or 0
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     whole = collate_table(table, pad_token_id)
-    micro, _ = plan_micro_batches(whole, torch.arange(len(whole)), micro_batch_size=rows_per_forward, max_tokens=max_tokens, packed=False)
+    micro, _ = plan_micro_batches(
+        whole, torch.arange(len(whole)), micro_batch_size=rows_per_forward, max_tokens=max_tokens, packed=False
+    )
     entropy_sum = tokens = 0.0
     with torch.no_grad():
         for rows in micro:
             batch = trim_batch(whole.select(rows))
             _, entropy = response_log_probs(model, batch, temperature, with_entropy=True)
+            assert entropy is not None  # asked for
             entropy_sum += float((entropy * batch.response_mask).sum())
             tokens += float(batch.response_mask.sum())
     return entropy_sum / max(tokens, 1.0)

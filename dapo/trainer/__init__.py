@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 
 from .base import META_FILE, STATE_DIR, PolicyTrainer, TrainerState
 from .launch import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-def make_trainer(config: DAPOConfig, model_dir: str | Path) -> PolicyTrainer:
+def make_trainer(config: StepConfig, model_dir: str | Path) -> PolicyTrainer:
     """The trainer of config.trainer_backend on model_dir (resuming model_dir/trainer_state if present)."""
     if config.trainer_backend == "deepspeed":
         from dapo.trainer.deepspeed_backend import DeepSpeedTrainer

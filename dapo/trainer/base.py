@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dapo import checkpoint, varlen_attention
 from dapo.batch import PolicyBatch, pack, packed_response_log_probs, response_log_probs, trim_batch
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 from dapo.micro_batches import plan_micro_batches
 
 STATE_DIR = "trainer_state"
@@ -64,7 +64,7 @@ class TrainerState:
     zero_stage: int | None = None
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "TrainerState | None":
+    def load(cls, model_dir: str | Path) -> TrainerState | None:
         path = Path(model_dir) / STATE_DIR / META_FILE
         if not path.is_file():
             return None
@@ -95,7 +95,7 @@ class PolicyTrainer(ABC):
 
     backend_name = "abstract"
 
-    def __init__(self, config: DAPOConfig, model_dir: str | Path):
+    def __init__(self, config: StepConfig, model_dir: str | Path):
         varlen_attention.register()  # before a subclass loads the model with config.attn_implementation
         self.config = config
         self.model_dir = str(model_dir)
@@ -164,7 +164,7 @@ class PolicyTrainer(ABC):
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
+    def barrier(self) -> None:  # noqa: B027 (one process needs no barrier: a no-op, not abstract)
         pass
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -231,14 +231,20 @@ class PolicyTrainer(ABC):
         entropy = torch.zeros((n, width), dtype=torch.float32)
         rows = torch.arange(n)
         mine, per_rank = plan_micro_batches(
-            batch, rows, micro_batch_size=self.forward_micro_batch_size, max_tokens=self.config.max_tokens_per_micro_batch,
-            packed=self.config.remove_padding, rank=self.rank, world_size=self.world_size,
+            batch,
+            rows,
+            micro_batch_size=self.forward_micro_batch_size,
+            max_tokens=self.config.max_tokens_per_micro_batch,
+            packed=self.config.remove_padding,
+            rank=self.rank,
+            world_size=self.world_size,
         )
         self.train_mode(False)
         for i in range(per_rank):
             # Ranks short of a chunk run a discarded one: sharded (ZeRO-3) forwards are collectives.
             chunk = mine[i] if i < len(mine) else rows[:1]
             lp, ent = self.forward(batch.select(chunk), temperature, with_entropy=True)
+            assert ent is not None  # asked for
             if i < len(mine):
                 log_probs[chunk] = lp.float().cpu()
                 entropy[chunk] = ent.float().cpu()
@@ -286,7 +292,9 @@ class PolicyTrainer(ABC):
                 Path(state_dir, META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
             self.barrier()
             if self.is_main:
-                checkpoint.commit(tmp, final, step=step, extra={"backend": self.backend_name, "updates": self.state.updates})
+                checkpoint.commit(
+                    tmp, final, step=step, extra={"backend": self.backend_name, "updates": self.state.updates}
+                )
             committed = True
         finally:
             if not committed and self.is_main:
@@ -306,7 +314,7 @@ class PolicyTrainer(ABC):
             self._closed = True
             self._release()
 
-    def __enter__(self) -> "PolicyTrainer":
+    def __enter__(self) -> PolicyTrainer:
         return self
 
     def __exit__(self, *exc) -> None:

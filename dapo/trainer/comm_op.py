@@ -62,15 +62,24 @@ def ensure_comm_op() -> Path | None:
     if builder is None:
         return None
     build_dir = Path(cpp_extension._get_build_directory(builder.NAME, verbose=False))
-    with exclusive(build_dir.with_name(f"{build_dir.name}.dapo-lock"), f"the build of DeepSpeed's {builder.NAME} op in {build_dir}"):
+    with exclusive(
+        build_dir.with_name(f"{build_dir.name}.dapo-lock"), f"the build of DeepSpeed's {builder.NAME} op in {build_dir}"
+    ):
         torch_lock = build_dir / "lock"
         if torch_lock.exists():
-            logger.warning("removing %s: a build of %s killed before it ended left it (no live build holds our lock)",
-                           torch_lock, builder.NAME)
+            logger.warning(
+                "removing %s: a build of %s killed before it ended left it (no live build holds our lock)",
+                torch_lock,
+                builder.NAME,
+            )
             torch_lock.unlink()
         if not (build_dir / f"{builder.NAME}.so").exists():
-            logger.warning("building DeepSpeed's %s op once for this environment in %s (~1 min on 2 cores; "
-                           "`make setup` builds it beforehand)", builder.NAME, build_dir)
+            logger.warning(
+                "building DeepSpeed's %s op once for this environment in %s (~1 min on 2 cores; "
+                "`make setup` builds it beforehand)",
+                builder.NAME,
+                build_dir,
+            )
         with _delayed_build(float(os.environ.get(BUILD_DELAY_ENV, 0) or 0)):
             builder.load(verbose=False)
     return build_dir

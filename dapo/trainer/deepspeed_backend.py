@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 from dapo.trainer.base import STATE_DIR, PolicyTrainer
 from dapo.trainer.comm_op import ensure_comm_op, use_cpu_accelerator_without_gpus
 
@@ -72,15 +72,21 @@ def load_state_file(path: str, map_location=None):
     import importlib
     import pickle
 
-    classes = [getattr(importlib.import_module(module), name) for module, _, name in (c.rpartition(".") for c in DEEPSPEED_STATE_CLASSES)]
+    classes = [
+        getattr(importlib.import_module(module), name)
+        for module, _, name in (c.rpartition(".") for c in DEEPSPEED_STATE_CLASSES)
+    ]
     with torch.serialization.safe_globals(classes):
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
             reason = str(error).strip().splitlines()[0]
-            raise CheckpointRefused(f"{path}: refused to load: it holds more than tensors and DeepSpeed's state ({reason}). "
-                                    "dapo-flyte never writes such a file: it was changed after it was saved, or written by "
-                                    "another program") from None
+            raise CheckpointRefused(
+                f"{path}: refused to load: it holds more than tensors and DeepSpeed's state ({reason}). "
+                "dapo-flyte never writes such a file: it was changed after it was saved, or written by "
+                "another program"
+            ) from None
+
 
 SYNC_BUCKET_BYTES = 512 * 2**20
 """Under ZeRO-3 the in-memory sync gathers parameters in buckets of about this many bytes:
@@ -90,7 +96,8 @@ one all-gather per bucket rather than per parameter (verl sends buckets, too).""
 def parameter_buckets(named_parameters, bucket_bytes: int) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
     """Consecutive (name, parameter) pairs in groups whose whole (gathered) sizes add up to
     at most bucket_bytes; a larger parameter forms a group alone."""
-    bucket, size = [], 0
+    bucket: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
     for name, param in named_parameters:
         nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
         if bucket and size + nbytes > bucket_bytes:
@@ -127,10 +134,12 @@ def init_distributed() -> None:
     if "WORLD_SIZE" in os.environ:
         deepspeed.init_distributed()
     else:
-        deepspeed.init_distributed(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        deepspeed.init_distributed(
+            auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
 
 
-def deepspeed_config(config: DAPOConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(config: StepConfig, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config for a policy step (batch sizes are nominal: we accumulate ourselves)."""
     zero: dict[str, Any] = {
         "stage": config.zero_stage,
@@ -153,7 +162,13 @@ def deepspeed_config(config: DAPOConfig, world_size: int) -> dict[str, Any]:
     if config.dtype == "bfloat16":
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
     elif config.dtype == "float16":
-        ds["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1}
+        ds["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 16,
+            "loss_scale_window": 100,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     return ds
 
 
@@ -184,7 +199,8 @@ def _zero3_loading(ds_config: dict[str, Any]):
         unset_hf_deepspeed_config()
         logger.warning(
             "ZeRO-3 without partitioned loading (%s): every rank loads the whole model first; "
-            "install accelerate (the trainer and gpu images have it) for large models", error
+            "install accelerate (the trainer and gpu images have it) for large models",
+            error,
         )
     try:
         yield
@@ -195,7 +211,7 @@ def _zero3_loading(ds_config: dict[str, Any]):
 class DeepSpeedTrainer(PolicyTrainer):
     backend_name = "deepspeed"
 
-    def __init__(self, config: DAPOConfig, model_dir: str | Path):
+    def __init__(self, config: StepConfig, model_dir: str | Path):
         super().__init__(config, model_dir)
         init_distributed()
         import deepspeed
@@ -222,7 +238,9 @@ class DeepSpeedTrainer(PolicyTrainer):
             eps=1e-8,
             weight_decay=config.weight_decay,
         )
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config
+        )
         state_dir = Path(self.model_dir) / STATE_DIR / DS_STATE_SUBDIR
         if (state_dir / DS_TAG).is_dir():
             if self.state.world_size != self.world_size:
@@ -230,7 +248,9 @@ class DeepSpeedTrainer(PolicyTrainer):
                     "the optimizer state in %s was written by %d rank(s), this run has %d: ZeRO partitions "
                     "follow the data-parallel size, so DeepSpeed may refuse it (convert it with DeepSpeed's "
                     "universal checkpoint tools, or keep the number of training processes fixed)",
-                    state_dir, self.state.world_size, self.world_size,
+                    state_dir,
+                    self.state.world_size,
+                    self.world_size,
                 )
             self.engine.checkpoint_engine.load = load_state_file  # instead of DeepSpeed's weights_only=False
             load_path, _ = self.engine.load_checkpoint(

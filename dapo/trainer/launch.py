@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def launcher_rank() -> int:
@@ -70,7 +71,7 @@ def prune_step_dirs(
         return []
 
     def age_key(path: Path) -> tuple[int, float]:
-        step = path.name[len(prefix):].split("-", 1)[0]
+        step = path.name[len(prefix) :].split("-", 1)[0]
         return (int(step) if step.isdigit() else -1, path.stat().st_mtime)
 
     candidates = sorted((p for p in parent.iterdir() if p.is_dir() and p.name.startswith(prefix)), key=age_key)

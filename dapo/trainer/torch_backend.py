@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dapo.config import DAPOConfig
+from dapo.config import StepConfig
 from dapo.trainer.base import STATE_DIR, PolicyTrainer
 
 logger = logging.getLogger(__name__)
@@ -33,14 +33,14 @@ _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 class TorchTrainer(PolicyTrainer):
     backend_name = "torch"
 
-    def __init__(self, config: DAPOConfig, model_dir: str | Path, device: str | torch.device | None = None):
+    def __init__(self, config: StepConfig, model_dir: str | Path, device: str | torch.device | None = None):
         super().__init__(config, model_dir)
         from transformers import AutoModelForCausalLM
 
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=torch.float32, attn_implementation=config.attn_implementation
-        ).to(self._device)
+        ).to(self._device)  # type: ignore[arg-type]  # transformers' wrapper of .to types its argument wrongly
         self.model.config.use_cache = False
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -97,8 +97,7 @@ class TorchTrainer(PolicyTrainer):
         torch.save(self.optimizer.state_dict(), os.path.join(state_dir, OPTIMIZER_FILE))
 
     def _release(self) -> None:
-        self.optimizer = None
-        self.model = None
+        del self.optimizer, self.model  # their memory goes; a released trainer is not used again
         if self._device.type == "cuda":  # as in the DeepSpeed backend: only GPU memory needs it
             gc.collect()
             torch.cuda.empty_cache()
