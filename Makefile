@@ -48,11 +48,12 @@ run-real: setup
 TEST_WORKERS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-# The shipped code's lint, format and types (rules in pyproject.toml): a new finding fails `make test`.
+# The shipped code's lint, format, types and import cycles (rules in pyproject.toml): a new finding fails `make test`.
 lint: setup
 	$(VENV)/bin/ruff check dapo tasks workflows
 	$(VENV)/bin/ruff format --check dapo tasks workflows
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PYTEST) --durations=15

@@ -21,6 +21,7 @@ import types
 import typing
 
 from dapo.config import SECTIONS, ConfigError, DAPOConfig, flat_overrides, parse_assignments, read_config_file
+from dapo.run_budget import check_run_budget
 
 
 @functools.cache
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             **flat_overrides(parse_assignments(args.set)),
         }
         config = DAPOConfig.preset(args.preset, overrides)
+        check_run_budget(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.ipc
@@ -38,15 +37,23 @@ from dapo import checkpoint
 from dapo.config import StepConfig
 from dapo.faults import crash_point
 from dapo.memory import breakdown_line, memory_breakdown
+from dapo.sampling import SamplingState
 from dapo.stages.generation import policy_engine, sample_batch
 from dapo.stages.guard import regenerate_batch
 from dapo.stages.training import is_bad_step, skips_update, step_metrics, stops_on_unverified, train_on_batch
 from dapo.trainer.launch import prune_step_dirs
 
-if TYPE_CHECKING:
-    from dapo.overlap import SampledBatch
-
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledBatch:
+    """A step's batch sampled one step off policy (dapo.overlap), with its sampling state."""
+
+    batch: pa.Table
+    state: SamplingState
+    policy_version: int
+    """The updates behind the weights that sampled it: step - policy_version is its staleness."""
 
 
 @dataclass

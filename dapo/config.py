@@ -755,12 +755,6 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig):
                 "rollout_backend",
                 "must be 'vllm' with tensor_parallel_size > 1",
             )
-        if self.model_size_billions and (self.stage_timeout_minutes or self.chunk_timeout_minutes):
-            from dapo.run_budget import (
-                check_run_budget,
-            )  # it prices this config with the cost model, which reads configs
-
-            check_run_budget(self)
 
     # ---------------------------------------------------------------------------------
     @property

@@ -39,14 +39,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.ipc
 
-from dapo.colocated import ColocatedResult, completed_steps, finish_step, stops_the_run, update_on_batch
+from dapo.colocated import ColocatedResult, SampledBatch, completed_steps, finish_step, stops_the_run, update_on_batch
 from dapo.config import StepConfig
 from dapo.sampling import SamplingState
 
@@ -61,14 +61,6 @@ POLL_SECONDS = 0.02
 """How often the trainer looks for the batch it waits for (and whether the rollout process still runs)."""
 GROUP_TIMEOUT = datetime.timedelta(hours=2)
 """The longest a broadcast waits for the other process: a rollout longer than this is a hung one."""
-
-
-@dataclass
-class SampledBatch:
-    batch: pa.Table
-    state: SamplingState
-    policy_version: int
-    """The updates behind the weights that sampled it: step - policy_version is its staleness."""
 
 
 def batch_path(out_root: Path, step: int) -> Path:

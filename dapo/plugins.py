@@ -80,21 +80,6 @@ def named_functions(config) -> list[tuple[str, str, str]]:
     ]
 
 
-def check_named_functions(config) -> None:
-    """Load every function the config names (named_functions), so that a misspelt one fails
-    when the run starts, naming its field, not steps later."""
-    from dapo.config import ConfigError
-    from dapo.loss import POLICY_LOSSES
-    from dapo.rewards import SCORERS
-
-    registries: dict[str, Mapping[str, Callable]] = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
-    for field, spec, kind in named_functions(config):
-        try:
-            resolve(spec, registries[kind], kind)
-        except PluginError as error:
-            raise ConfigError(f"DAPOConfig.{field}: {error}") from error
-
-
 def user_code_digest(config) -> str:
     """sha256 of the code of the user's functions the config names ("" when it names none):
     every .py file under each function's directory (helpers it imports beside it) and the

@@ -22,8 +22,10 @@ from dapo.config import (
 )
 from dapo.data import DataError
 from dapo.model_source import is_gguf_source
-from dapo.plugins import check_named_functions, user_code_digest
+from dapo.plugins import user_code_digest
+from dapo.run_budget import check_run_budget
 from dapo.stages import setup
+from dapo.stages.setup import check_named_functions
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
@@ -71,6 +73,7 @@ def resolve(
         )
     check_named_functions(config)
     config = setup.resolve_sources(config)  # reads the data spec and the model's headers (a hub model: from the hub)
+    check_run_budget(config)  # with the model's size as read
     return config.replace(user_code_digest=user_code_digest(config))
 
 

@@ -11,6 +11,12 @@ from dapo.config import ConfigError, DAPOConfig
 PAPER = DAPOConfig.paper_32b()
 
 
+def checked(config: DAPOConfig) -> DAPOConfig:
+    """The config as the run's resolver passes it on: after the run budget (a ConfigError if not)."""
+    run_budget.check_run_budget(config)
+    return config
+
+
 def test_the_shipped_paper_preset_fits_its_budget_in_both_execution_modes():
     for config in (PAPER, PAPER.replace(execution="per_stage")):
         budgets = run_budget.task_budgets(config)
@@ -21,19 +27,19 @@ def test_the_shipped_paper_preset_fits_its_budget_in_both_execution_modes():
 def test_a_32b_chunk_that_outlasts_its_timeout_is_refused_naming_the_field_and_the_numbers():
     """The preset as it was: 4 h for every task, 5-step colocated chunks (val_every 5)."""
     with pytest.raises(ConfigError) as refused:
-        PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=240, val_every=5)
+        checked(PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=240, val_every=5))
     message = str(refused.value)
     assert message.startswith("cluster.stage_timeout_minutes=240: a colocated chunk needs ~")
     assert "5 steps of" in message and "set stage_timeout_minutes >= " in message and "31.3 min from the cost model" in message
     needed = int(message.split("set stage_timeout_minutes >= ")[1].split()[0])
-    PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed, val_every=5)  # the number it names suffices
+    checked(PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed, val_every=5))  # the number it names suffices
     with pytest.raises(ConfigError, match="set stage_timeout_minutes >= "):
-        PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed - 1, val_every=5)
+        checked(PAPER.replace(chunk_timeout_minutes=0, stage_timeout_minutes=needed - 1, val_every=5))
 
 
 def test_longer_chunks_need_a_longer_chunk_timeout_and_a_measured_step_time_replaces_the_estimate():
     with pytest.raises(ConfigError, match=r"cluster.chunk_timeout_minutes=2160: a colocated chunk .*\(100 steps of"):
-        PAPER.replace(steps_per_chunk=100, val_every=100)
+        checked(PAPER.replace(steps_per_chunk=100, val_every=100))
     faster = PAPER.replace(measured_step_minutes=10.0, steps_per_chunk=100, val_every=100)  # measured: 10-minute steps
     chunk = next(b for b in run_budget.task_budgets(faster) if b.task == "a colocated chunk")
     assert chunk.timeout_field == "chunk_timeout_minutes"
@@ -65,10 +71,27 @@ def test_a_chunk_without_a_shared_volume_is_priced_as_starting_again_on_a_retry(
     resumed = next(b for b in run_budget.task_budgets(node) if b.task == "a colocated chunk")
     assert resumed.retry_s < resumed.attempt_s / 4 and "resumes from its last record, <= 2 steps back" in resumed.work
     with pytest.raises(ConfigError, match=r"a retry starts it again\) and ~3,\d{3} min with its 2 retries and propeller's 3"):
-        node.replace(trainer_shared_dir="")
+        checked(node.replace(trainer_shared_dir=""))
     unchecked = node.replace(trainer_shared_dir="", chunk_timeout_minutes=0, stage_timeout_minutes=0)
     again = next(b for b in run_budget.task_budgets(unchecked) if b.task == "a colocated chunk")
     assert again.retry_s == again.attempt_s and again.needed_minutes > 2000
+
+
+def test_the_config_itself_is_plain_data_and_the_run_and_the_cli_check_the_budget(capsys, monkeypatch):
+    """Building a config never prices it (no import of the cost model from the schema); the
+    run's resolver and `python -m dapo config` refuse what the budget refuses."""
+    from dapo import cli
+    from dapo.stages import setup
+    from tasks.data import resolve
+
+    monkeypatch.setattr(setup, "hub_commit", lambda name, revision: "0" * 40)  # offline: the hub's answer
+    short = PAPER.replace(stage_timeout_minutes=1)  # built: the schema has no opinion on timeouts
+    with pytest.raises(ConfigError, match="stage_timeout_minutes=1: "):
+        checked(short)
+    with pytest.raises(ConfigError, match="stage_timeout_minutes=1: "):
+        resolve("paper_32b", train_data="t.parquet", val_data="v.parquet", set="cluster.stage_timeout_minutes=1")
+    assert cli.main(["config", "--preset", "paper_32b", "--set", "cluster.stage_timeout_minutes=1"]) == 2
+    assert "stage_timeout_minutes=1: " in capsys.readouterr().err
 
 
 def test_the_system_retries_priced_are_the_ones_the_shipped_flyte_allows():
@@ -80,8 +103,8 @@ def test_the_system_retries_priced_are_the_ones_the_shipped_flyte_allows():
 
 
 def test_no_timeout_or_the_embedded_policy_has_no_budget_to_check():
-    DAPOConfig.tiny_cpu().replace(stage_timeout_minutes=1)  # model_size_billions 0: nothing to price
-    PAPER.replace(stage_timeout_minutes=0, chunk_timeout_minutes=0, val_every=5)  # no limit at all
+    checked(DAPOConfig.tiny_cpu().replace(stage_timeout_minutes=1))  # model_size_billions 0: nothing to price
+    checked(PAPER.replace(stage_timeout_minutes=0, chunk_timeout_minutes=0, val_every=5))  # no limit at all
     assert all(b.problem() == "" for b in run_budget.task_budgets(PAPER.replace(stage_timeout_minutes=0, chunk_timeout_minutes=0)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +16,7 @@ from dapo.config import ConfigError, DAPOConfig, DataConfig, ModelConfig
 from dapo.data import NORMALIZED_SCHEMA, PromptRecord, load_prompts, write_embedded_splits
 from dapo.gym_tasks import DATA_SOURCE as GYM_DATA_SOURCE
 from dapo.gym_tasks import DEFAULT_VAL_SIZE, VAL_SEED_OFFSET, GymRow, generate_rows, is_gym_spec, parse_spec
+from dapo.loss import POLICY_LOSSES
 from dapo.model_source import (
     convert_gguf,
     hub_commit,
@@ -24,6 +26,8 @@ from dapo.model_source import (
     model_digest,
     parameter_count,
 )
+from dapo.plugins import PluginError, named_functions, resolve
+from dapo.rewards import SCORERS
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +203,15 @@ def with_chat_template(checkpoint_dir: str | Path, config: ModelConfig) -> None:
             "with one: set model.chat_template (a Jinja template; e.g. "
             "\"{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\" for plain prompts)"
         )
+
+
+def check_named_functions(config) -> None:
+    """Load every function the config names (named_functions), so that a misspelt one fails
+    when the run starts, naming its field, not steps later. Here, above the registries it
+    reads (dapo.rewards, dapo.loss), not in dapo.plugins, which they import."""
+    registries: dict[str, Mapping[str, Callable]] = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
+    for field, spec, kind in named_functions(config):
+        try:
+            resolve(spec, registries[kind], kind)
+        except PluginError as error:
+            raise ConfigError(f"DAPOConfig.{field}: {error}") from error
