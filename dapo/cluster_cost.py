@@ -218,9 +218,8 @@ def step_cost(model: Model, mode: str, steps_per_chunk: int, scenario: Scenario,
         n = steps_per_chunk
         saves = math.ceil(n / checkpoint_every)  # the last one is trainer_restart's save
         records_s = (saves - 1) * model.checkpoint_bytes / model.nodes / scenario.save_bytes_s
-        chunk_s = (
-            trainer_s + vllm_start_s(model, scenario) + records_s
-        )  # vLLM gets its weights from the trainer, not the store
+        # vLLM gets its weights from the trainer, not the store
+        chunk_s = trainer_s + vllm_start_s(model, scenario) + records_s
         return StepCost(
             model.engines / n,
             1 / n,

@@ -29,7 +29,10 @@ def canonical_source(source: str) -> str:
     """The module's syntax tree without docstrings, written out with every non-empty field:
     comments and layout are gone after parsing, and fields that are empty (None, []) are
     left out so that Python versions adding fields (3.12's type_params) agree."""
-    tree = ast.parse(source)
+    return _canonical(ast.parse(source))
+
+
+def _canonical(tree: ast.Module) -> str:
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -99,8 +102,9 @@ def _module_text(module: str) -> tuple[str, frozenset[str]]:
     path = _source_file(module)
     if path is None:
         raise ModuleNotFoundError(f"{module!r} is no module of {PROJECT_PACKAGES}")
-    source = path.read_text(encoding="utf-8")
-    return canonical_source(source), frozenset(_imports(module, ast.parse(source), path.name == "__init__.py"))
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imports = frozenset(_imports(module, tree, path.name == "__init__.py"))  # before _canonical drops docstrings
+    return _canonical(tree), imports
 
 
 def module_closure(module: str) -> list[str]:

@@ -178,9 +178,8 @@ def run_colocated(
             started = time.perf_counter()
             metrics, trained = update_on_batch(config, trainer, batch, state, step, out_root)
             if metrics["guard/regenerated"]:
-                engine = policy_engine(
-                    config, str(out_root / f"regenerate-{step}"), colocated=True
-                )  # the regeneration's fresh engine
+                # the regeneration's fresh engine
+                engine = policy_engine(config, str(out_root / f"regenerate-{step}"), colocated=True)
             if trained or engine.released:  # a released engine gets the weights back even if the update was skipped
                 synced = time.perf_counter()
                 engine.load_weights_from_tensors(trainer.named_weights())

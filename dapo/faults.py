@@ -48,27 +48,29 @@ TRANSIENT_S3_CODES = {
     "500",
 }
 TRANSIENT_CLASS_NAMES = {
+    # botocore
     "EndpointConnectionError",
     "ConnectTimeoutError",
     "ReadTimeoutError",
-    "ConnectionClosedError",  # botocore
+    "ConnectionClosedError",
+    # aiohttp (s3fs, gcsfs)
     "ServerDisconnectedError",
     "ClientConnectionError",
     "ClientOSError",
-    "ClientPayloadError",  # aiohttp (s3fs, gcsfs)
+    "ClientPayloadError",
+    # httpx
     "ConnectError",
     "ReadTimeout",
     "ConnectTimeout",
-    "RemoteProtocolError",  # httpx
+    "RemoteProtocolError",
+    # requests (MLflow's client), whose classes are not the builtins
     "ConnectionError",
     "Timeout",
-    "ChunkedEncodingError",  # requests (MLflow's client), whose classes are not the builtins
+    "ChunkedEncodingError",
 }
 """Transient by their class's name, so that this module imports none of those libraries."""
-MLFLOW_TRANSIENT_CODES = {
-    "TEMPORARILY_UNAVAILABLE",
-    "REQUEST_LIMIT_EXCEEDED",
-}  # INTERNAL_ERROR is also its default: not a sign
+# INTERNAL_ERROR is also MLflow's default code: not a sign
+MLFLOW_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}
 
 
 class TransientFault(RuntimeError):

@@ -110,10 +110,9 @@ class WeightBroadcast:
     def __init__(self, store, rank: int, device: str):
         import torch.distributed as dist
 
-        group_type: Any = (
-            dist.ProcessGroupNCCL if device.startswith("cuda") else dist.ProcessGroupGloo
-        )  # torch's stubs lack
-        self.group = group_type(store, rank, 2, GROUP_TIMEOUT)  # the timeout argument and broadcast() of both classes
+        # Any: torch's stubs lack the timeout argument and broadcast() of both classes
+        group_type: Any = dist.ProcessGroupNCCL if device.startswith("cuda") else dist.ProcessGroupGloo
+        self.group = group_type(store, rank, 2, GROUP_TIMEOUT)
         self.store, self.rank, self.device = store, rank, device
         self.layout: list[tuple[str, list[int], str]] | None = None
 

@@ -63,7 +63,7 @@ class TaskBudget:
         return math.ceil(max(self.attempt_s, self.all_attempts_s / 2) * HEADROOM / 60)
 
     def problem(self) -> str:
-        """ "" when the timeout covers the work, else what is wrong, naming the field and the numbers."""
+        """An empty string when the timeout covers the work, else what is wrong, naming the field and the numbers."""
         if not self.timeout_minutes or self.timeout_minutes >= self.needed_minutes:
             return ""
         return (

@@ -102,9 +102,8 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: StepConfig, t
         old_log_probs, rollout_log_probs, compared, config.rollout_correction, config.rollout_correction_threshold
     )
     if rollout_weights is not None:
-        rollout_weights = torch.where(
-            covered.unsqueeze(-1), rollout_weights, response_mask
-        )  # rows without rollout log-probs: 1
+        # rows without rollout log-probs: 1
+        rollout_weights = torch.where(covered.unsqueeze(-1), rollout_weights, response_mask)
 
     index = group_index(group_ids)
     group_rows = [(index == g).nonzero().flatten() for g in range(int(index.max()) + 1)]

@@ -25,7 +25,6 @@ from dapo.model_source import is_gguf_source
 from dapo.plugins import user_code_digest
 from dapo.run_budget import check_run_budget
 from dapo.stages import setup
-from dapo.stages.setup import check_named_functions
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
@@ -71,7 +70,7 @@ def resolve(
             f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
             "(verl-format parquet files, as URIs the cluster can read, e.g. s3://bucket/dapo-math-17k.parquet)"
         )
-    check_named_functions(config)
+    setup.check_named_functions(config)
     config = setup.resolve_sources(config)  # reads the data spec and the model's headers (a hub model: from the hub)
     check_run_budget(config)  # with the model's size as read
     return config.replace(user_code_digest=user_code_digest(config))

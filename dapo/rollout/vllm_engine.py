@@ -312,7 +312,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # --- weights --------------------------------------------------------------
     def _reload_in_place_possible(self, checkpoint_dir: str) -> str:
-        """ "" when the in-place reload gives the checkpoint's weights, else why not."""
+        """An empty string when the in-place reload gives the checkpoint's weights, else why not."""
         if self._inprocess:
             names = set(checkpoint_tensor_names(checkpoint_dir))
             missing = sorted(c for a, c in (self._tied_aliases or {}).items() if a not in names and c not in names)
