@@ -53,11 +53,9 @@ def ablation_runs(
 
 
 class AblationReport(typing.NamedTuple):
-    table: str
-    report: FlyteDirectory
+    """The study's markdown table, and the directory with it, its curves and histories (the
+    outputs of the task and of the workflow)."""
 
-
-class Ablation(typing.NamedTuple):
     table: str
     report: FlyteDirectory
 
@@ -108,7 +106,7 @@ def ablation(
     total_steps: int = 8,
     mlflow_tracking_uri: str = "",
     base_overrides_json: str = '{"val_every": 2}',
-) -> Ablation:
+) -> AblationReport:
     """study: a dapo.ablation.STUDIES name; base_overrides_json: DAPOConfig fields set in
     every run, over the study's regime."""
     runs = ablation_runs(
