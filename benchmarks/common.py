@@ -68,7 +68,7 @@ def run_worker(command: list[str], what: str, env: dict[str, str] | None = None,
 def prepare_start(work: Path) -> None:
     """The embedded data and the warm-started tiny policy under work/ (kept for reuse)."""
     from dapo import checkpoint
-    from dapo.stages import setup
+    from dapo.execution.stages import setup
     from dapo.config import DAPOConfig
 
     if checkpoint.is_complete(work / "policy-0") and (work / "data" / setup.VAL_FILE).exists():
@@ -93,7 +93,7 @@ def run_dapo_loop(
     far, validation left out), "val/acc"}.
     """
     os.environ["FLYTE_LOCAL_CACHE_ENABLED"] = "false"
-    from dapo.stages import setup, validation
+    from dapo.execution.stages import setup, validation
     from dapo.tracking import run_history
     from workflows.dapo import dapo_loop
 

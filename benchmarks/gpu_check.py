@@ -17,7 +17,7 @@ Parts, in order (--parts picks some; each says what it measures and its pass fig
   sleep      vLLM's sleep level 2 (weights and KV cache freed), then a sync: the memory it
              freed against the engine's reservation, greedy outputs bitwise equal after it,
              and the memory returned on close. Pass: >= 90% freed; equal. (CUDA only.)
-  colocated  three steps of dapo.colocated.run_colocated (vLLM and DeepSpeed resident, vLLM's
+  colocated  three steps of dapo.execution.colocated.run_colocated (vLLM and DeepSpeed resident, vLLM's
              memory released during each update) on a warm-started head_dim-128 policy: sync
              seconds and the bf16 gap after each real update. Pass: within the rollout guard.
 
@@ -113,7 +113,7 @@ def imported_distributions() -> list[str]:
 
 
 def greedy(engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    from dapo.rollout import SamplingSettings
+    from dapo.engines.rollout import SamplingSettings
 
     return [c.token_ids for c in engine.generate(prompts, SamplingSettings(n=1, max_tokens=max_tokens, temperature=0.0))]
 
@@ -161,9 +161,9 @@ def engine_part(check: Check) -> dict:
     import torch
 
     from benchmarks.rollout import make_prompts
-    from dapo.policy_matrix import QWEN2_5_1_5B_SHAPES, PolicyLayout, build_policy
-    from dapo.rollout import SamplingSettings, make_rollout_engine
-    from dapo.rollout.vllm_engine import free_accelerator_bytes
+    from dapo.model.policy_matrix import QWEN2_5_1_5B_SHAPES, PolicyLayout, build_policy
+    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout.vllm_engine import free_accelerator_bytes
 
     layout = QWEN2_5_1_5B_SHAPES if check.on_gpu else PolicyLayout(tied=True, hidden_size=256, head_dim=128, num_key_value_heads=1)
     started = time.perf_counter()
@@ -218,7 +218,7 @@ def runner_and_backend(engine) -> dict:
 
 
 def sync_part(check: Check) -> dict | str:
-    from dapo.rollout.base import iter_safetensors
+    from dapo.engines.rollout.base import iter_safetensors
 
     if check.engine is None:
         return "needs the engine part's engine"
@@ -241,8 +241,8 @@ def sync_part(check: Check) -> dict | str:
 
 
 def sleep_part(check: Check) -> dict | str:
-    from dapo.rollout.base import iter_safetensors
-    from dapo.rollout.vllm_engine import free_accelerator_bytes
+    from dapo.engines.rollout.base import iter_safetensors
+    from dapo.engines.rollout.vllm_engine import free_accelerator_bytes
 
     if not check.on_gpu:
         return "vLLM's sleep mode is a CUDA feature"
@@ -270,10 +270,10 @@ def sleep_part(check: Check) -> dict | str:
 
 def colocated_part(check: Check) -> dict:
     from benchmarks.gpu_check_hf import check_config
-    from dapo.colocated import run_colocated
-    from dapo.policy_matrix import PolicyLayout, build_policy
-    from dapo.rollout import close_cached_rollout_engine
-    from dapo.stages import setup
+    from dapo.execution.colocated import run_colocated
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
+    from dapo.engines.rollout import close_cached_rollout_engine
+    from dapo.execution.stages import setup
 
     check.close_engine()
     work = check.work / "colocated"

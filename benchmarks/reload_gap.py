@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dapo.policy_matrix import PolicyLayout, build_policy, perturbed_copy  # noqa: E402
+from dapo.model.policy_matrix import PolicyLayout, build_policy, perturbed_copy  # noqa: E402
 
 PROMPTS = ["What is 3 + 4?", "Compute 12 * 3.", "What is 7 - 9?", "Add 5 and 8."]
 
@@ -38,7 +38,7 @@ def reference_gap(model_dir: str, dtype: str, completions, device: str) -> tuple
     """max and mean |vLLM - transformers| over all sampled tokens (temperature 1)."""
     from transformers import AutoModelForCausalLM
 
-    from dapo.batch import collate, response_log_probs
+    from dapo.algorithm.batch import collate, response_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     batch = collate([c.prompt_token_ids for c in completions], [c.token_ids for c in completions], model.config.pad_token_id or 0)
@@ -50,7 +50,7 @@ def reference_gap(model_dir: str, dtype: str, completions, device: str) -> tuple
 
 
 def measure(layout: PolicyLayout, dtype: str, work: Path, fresh: bool, n: int = 8, max_tokens: int = 24, **engine_options) -> dict:
-    from dapo.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     a = build_policy(work / f"{layout.name}-a", layout)

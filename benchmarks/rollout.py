@@ -36,7 +36,7 @@ def make_prompts(model_dir: str, count: int, seed: int) -> list[str]:
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from dapo.data import load_prompts, make_arithmetic_table, render_prompt
+    from dapo.data.prompts import load_prompts, make_arithmetic_table, render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +48,7 @@ def make_prompts(model_dir: str, count: int, seed: int) -> list[str]:
 
 def run_backend(args) -> dict:
     """One backend, in this process: start, first batch, steady batch, reload."""
-    from dapo.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
 
     prompts = make_prompts(args.model_dir, args.prompts, args.seed)
     settings = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
@@ -142,7 +142,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         if not args.model_dir:
-            from dapo.policy import TinyPolicySpec, build_tiny_policy
+            from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 
             args.model_dir = str(Path(tmp) / "policy")
             build_tiny_policy(args.model_dir, TinyPolicySpec(warm_start_steps=args.warm_start_steps))

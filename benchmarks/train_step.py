@@ -29,7 +29,7 @@ from benchmarks.common import print_result, rss_mib, run_worker
 def scored_batch(prompts: int, samples: int, seed: int = 0):
     import pyarrow as pa
 
-    from dapo.batch import SCORED_SCHEMA
+    from dapo.algorithm.batch import SCORED_SCHEMA
 
     rng = random.Random(seed)
     rows = []
@@ -51,8 +51,8 @@ def worker(args) -> None:
     import torch
 
     from dapo.config import DAPOConfig
-    from dapo.trainer import make_trainer
-    from dapo.update import policy_update
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import policy_update
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,7 +119,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir
         if not model_dir:
-            from dapo.policy import TinyPolicySpec, build_tiny_policy
+            from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 
             model_dir = os.path.join(tmp, "policy")
             print("building the tiny policy ...", flush=True)

@@ -10,7 +10,7 @@ A batch of mixed responses, G per question sharing its ground truth as in a DAPO
 Both sides score every response and must agree, result for result, in batch order:
 
     serial       `dapo.rewards.score_response` on one response after the other
-    parallel     `dapo.rewards.score_responses` on the batch (what `dapo.stages.scoring.
+    parallel     `dapo.rewards.score_responses` on the batch (what `dapo.execution.stages.scoring.
                  verify_rewards` calls): several responses at a time from threads
                  (2 x workers), so that every math-verify worker has a task
 
@@ -114,11 +114,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ["DAPO_VERIFY_WORKERS"] = str(args.workers)  # read when dapo.rewards is imported
-    from dapo import rewards
+    from dapo.rewards import verifier_pool
 
     # Start every worker (each imports math-verify) before timing anything: a worker busy
     # with one sleep takes no other, so when all sleeps are done all workers are up.
-    pool = rewards._POOL._running_pool()
+    pool = verifier_pool.POOL._running_pool()
     for sleep in [pool.schedule(time.sleep, (1.0,)) for _ in range(args.workers)]:
         sleep.result(timeout=120)
 

@@ -15,7 +15,7 @@ Runs, each in its own process (so peak memory is its own), caching off:
   one task, trainer and vLLM resident, the new weights synced into vLLM in memory.
 - ``ours-overlapped``: ``ours-colocated`` one step off policy (``off_policy_steps=1``,
   ``token_tis`` correction): each chunk a trainer process and a rollout process, step t+1's
-  rollout beside step t's update (dapo.overlap), OMP_NUM_THREADS=1 (a core each).
+  rollout beside step t's update (dapo.execution.overlap), OMP_NUM_THREADS=1 (a core each).
 - ``ours-nods``: the same without dynamic sampling: 16 prompts x 8 generated per step,
   the work TRL does per step.
 - ``trl``: ``GRPOTrainer`` configured as close to DAPO as TRL allows: ``loss_type="dapo"``
@@ -81,7 +81,7 @@ class Setting:
     results: Path | None = None
     omp_threads: int = 0
     """OMP_NUM_THREADS of its runs but one step off's (0: as the caller has it; in-process vLLM
-    serves on 1 thread without it: dapo.rollout.vllm_local.serving_threads)."""
+    serves on 1 thread without it: dapo.engines.rollout.vllm_local.serving_threads)."""
 
 
 SETTINGS = {
@@ -108,13 +108,13 @@ def prepare(setting: Setting, work: Path) -> None:
     if setting.preset == "tiny_cpu":
         prepare_start(work)
         return
-    from dapo import checkpoint
-    from dapo.stages import setup
+    from dapo import checkpoint, resolve
+    from dapo.execution.stages import setup
 
     if checkpoint.is_complete(work / "policy-0") and (work / "data" / setup.VAL_FILE).exists():
         print(f"reusing the data and starting policy in {work}", flush=True)
         return
-    config = setup.resolve_sources(base_config(setting, 1))
+    config = resolve.resolve_sources(base_config(setting, 1))
     print(f"preparing {config.train_data_path} and converting {config.model_path} ...", flush=True)
     setup.prepare_data(config, work / "data")
     setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
@@ -155,9 +155,9 @@ def run_ours(setting: Setting, work: Path, steps: int, seed: int, name: str) -> 
 
 def setup_scorers(config) -> dict[str, str]:
     """reward_fn_by_source as resolve_config sets it for the preset's data spec."""
-    from dapo.stages import setup
+    from dapo import resolve
 
-    return setup.resolve_sources(config).reward_fn_by_source
+    return resolve.resolve_sources(config).reward_fn_by_source
 
 
 # --- TRL --------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class DapoReward:
     """Our rule-based reward as a TRL reward function (``reward_funcs=[DapoReward(...)]``).
 
     Each row is scored as our verify_rewards scores it: by its data_source's scorer
-    (dapo.stages.scoring.row_scorer) with its extra_info (TRL hands the data set's other
+    (dapo.execution.stages.scoring.row_scorer) with its extra_info (TRL hands the data set's other
     columns to a reward function). TRL's global_step counts optimizer updates; our
     format-reward decay counts policy steps, which are updates_per_step updates each. Also
     counts the generated tokens and the seconds spent scoring.
@@ -182,7 +182,7 @@ class DapoReward:
     def __call__(self, prompts, completions, completion_ids, ground_truth, trainer_state=None,
                  data_source=None, extra_info=None, **_) -> list[float]:
         from dapo.rewards import score_responses
-        from dapo.stages.scoring import row_scorer, scoring_settings
+        from dapo.execution.stages.scoring import row_scorer, scoring_settings
 
         started = time.perf_counter()
         step = (trainer_state.global_step if trainer_state is not None else 0) // self.updates_per_step
@@ -265,8 +265,8 @@ def run_trl(setting: Setting, work: Path, steps: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from dapo.data import load_prompts
-    from dapo.stages import setup
+    from dapo.data.prompts import load_prompts
+    from dapo.execution.stages import setup
 
     config = base_config(setting, steps, seed)
     if setting.preset != "tiny_cpu":
@@ -344,7 +344,7 @@ def validate(setting: Setting, runs: list[dict], work: Path, steps: int) -> None
     run did not validate) through the same validation function (validation.evaluate, the
     run's seed's validation sampling); each run's curve then runs from its start (step 0,
     0 s: the starting policy) to its final model."""
-    from dapo.stages import validation
+    from dapo.execution.stages import validation
 
     starts: dict[int, float] = {}
     for result in runs:

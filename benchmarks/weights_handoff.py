@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import chosen
 from benchmarks.train_step import scored_batch
-from dapo.trainer import STATE_DIR
+from dapo.engines.trainer import STATE_DIR
 
 SIZES = {  # name: (hidden, layers, intermediate, heads)
     "tiny": (128, 4, 384, 4),
@@ -62,10 +62,10 @@ def timed(fn, *args, **kwargs) -> float:
 
 def measure(name: str, work: Path) -> dict:
     from dapo.config import DAPOConfig
-    from dapo.policy import TinyPolicySpec, build_tiny_policy
-    from dapo.rollout import make_rollout_engine
-    from dapo.trainer import make_trainer
-    from dapo.update import policy_update
+    from dapo.model.policy import TinyPolicySpec, build_tiny_policy
+    from dapo.engines.rollout import make_rollout_engine
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import policy_update
 
     hidden, layers, intermediate, heads = SIZES[name]
     source = work / f"{name}-source"

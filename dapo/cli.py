@@ -5,7 +5,7 @@
     python -m dapo config --presets                # the presets and what each is for
     python -m dapo config --section reward --yaml  # one section, as a YAML config file
 
-The help is each field's docstring in dapo/config.py, read from its source.
+The help is each field's docstring in dapo/config/schema.py, read from its source.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import textwrap
 import types
 import typing
 
+from dapo.cluster.run_budget import check_run_budget
 from dapo.config import SECTIONS, ConfigError, DAPOConfig, flat_overrides, parse_assignments, read_config_file
-from dapo.run_budget import check_run_budget
 
 
 @functools.cache

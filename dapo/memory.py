@@ -48,7 +48,7 @@ def activation_bytes(hf_config, tokens: int, response_share: float) -> float:
     """What one micro-batch of `tokens` keeps for its backward, float32, estimated: per token
     and layer the block's inputs and outputs (~10 x hidden_size) and the MLP's (3 x
     intermediate_size); then the logits, their log-softmax and its gradient over the response
-    tokens (the LM head runs on those only: dapo.batch.logits_only_at)."""
+    tokens (the LM head runs on those only: dapo.algorithm.batch.logits_only_at)."""
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
     intermediate = int(getattr(hf_config, "intermediate_size", 0) or 4 * hidden)

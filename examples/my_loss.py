@@ -11,7 +11,7 @@ algorithm.loss_agg_mode reduces the token losses (token-mean: DAPO's).
 
 import torch
 
-from dapo.loss import LOG_RATIO_CLAMP, masked_mean
+from dapo.algorithm.loss import LOG_RATIO_CLAMP, masked_mean
 
 
 def cispo(log_prob, old_log_prob, advantages, response_mask, config):

@@ -22,8 +22,8 @@ Why these versions
 * pyarrow==25.0.1 is what the development venv resolved (mlflow 3.17.2 requires
   pyarrow<26).
 * The CPU image takes torch's CPU-only build (``2.13.0+cpu`` from the PyTorch CPU
-  index, ~190 MB instead of several GB of CUDA wheels): `dapo.sampling` and
-  `dapo.batch` import torch at module level and the reward / group-filter tasks
+  index, ~190 MB instead of several GB of CUDA wheels): `dapo.algorithm.sampling` and
+  `dapo.algorithm.batch` import torch at module level and the reward / group-filter tasks
   run in the CPU image.
 """
 

@@ -131,7 +131,7 @@ def colocated_settings(config: DAPOConfig) -> dict:
     GPUs (one step off policy, the rollout process's too), CPUs and memory; disk for the
     input checkpoint, and its records (the newest checkpoint and the one being written)
     unless they go to trainer_shared_dir (tasks.train.records_dir)."""
-    engine_gpus = config.tensor_parallel_size if config.off_policy_steps else 0  # dapo.overlap's engine
+    engine_gpus = config.tensor_parallel_size if config.off_policy_steps else 0  # dapo.execution.overlap's engine
     gpus = config.trainer_nproc_per_node + engine_gpus
     copies = 1 if config.trainer_shared_dir else 3
     return node_settings(

@@ -20,11 +20,10 @@ from dapo.config import (
     parse_assignments,
     read_config_file,
 )
-from dapo.data import DataError
-from dapo.model_source import is_gguf_source
-from dapo.plugins import user_code_digest
-from dapo.run_budget import check_run_budget
-from dapo.stages import setup
+from dapo.data.prompts import DataError
+from dapo.execution.stages import setup
+from dapo.model.model_source import is_gguf_source
+from dapo.resolve import resolve_run
 from images.specs import CPU_IMAGE, TRAINER_IMAGE
 from tasks.common import Checkpoint, cache, directory_output, scratch_dir, task_entry
 
@@ -70,10 +69,7 @@ def resolve(
             f"preset {preset!r} trains on DAPO-Math-17k: pass --train_data and --val_data "
             "(verl-format parquet files, as URIs the cluster can read, e.g. s3://bucket/dapo-math-17k.parquet)"
         )
-    setup.check_named_functions(config)
-    config = setup.resolve_sources(config)  # reads the data spec and the model's headers (a hub model: from the hub)
-    check_run_budget(config)  # with the model's size as read
-    return config.replace(user_code_digest=user_code_digest(config))
+    return resolve_run(config)
 
 
 # Not cached: what it reads besides its inputs (a config file, the user's functions) may
@@ -93,7 +89,7 @@ def resolve_config(
     """The run's validated config (resolve), and the sections tasks are cached on, each
     what its outputs depend on: the step config for the step tasks, the data and model
     sections for prepare_data and bootstrap_policy (shared by runs that differ elsewhere).
-    Invalid values, and timeouts that cannot cover their tasks' work (dapo.run_budget),
+    Invalid values, and timeouts that cannot cover their tasks' work (dapo.cluster.run_budget),
     fail here, before any other work."""
     config = resolve(preset, overrides_json, total_steps, train_data, val_data, steps_per_chunk, config_file, set)
     return ResolvedConfig(config, config.step_config(), config.section("data"), config.section("model"))

@@ -10,7 +10,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from dapo import report
 from dapo.config import StepConfig
-from dapo.stages import validation
+from dapo.execution.stages import validation
 from images.specs import ROLLOUT_IMAGE
 from tasks.common import DECKS, ROLLOUT_POD, Checkpoint, cache, download_weights, task_entry
 

@@ -6,9 +6,9 @@ import pyarrow as pa
 from flytekit import Resources, task
 from flytekit.types.directory import FlyteDirectory
 
+from dapo.algorithm.sampling import SamplingState
 from dapo.config import StepConfig
-from dapo.sampling import SamplingState
-from dapo.stages import generation, scoring
+from dapo.execution.stages import generation, scoring
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from tasks.common import ROLLOUT_POD, Checkpoint, cache, download_weights, task_entry
 from tasks.flytekit_fixes import LiteralEcho

@@ -22,7 +22,7 @@ from flytekit.types.error import FlyteError
 
 from dapo import report, tracking
 from dapo.config import DAPOConfig, StepConfig
-from dapo.stages import guard, training
+from dapo.execution.stages import guard, training
 from images.specs import CPU_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
 from tasks.data import resolve

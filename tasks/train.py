@@ -17,10 +17,10 @@ from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
 
 from dapo import report
+from dapo.algorithm.sampling import SamplingState
 from dapo.config import DAPOConfig, StepConfig
-from dapo.sampling import SamplingState
-from dapo.stages import training
-from dapo.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
+from dapo.engines.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
+from dapo.execution.stages import training
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
     DECKS,
@@ -172,7 +172,7 @@ class ColocatedOutput(typing.NamedTuple):
 
 
 def records_dir(config: StepConfig, policy: FlyteDirectory, first_step: int) -> str:
-    """Where a colocated chunk keeps its per-step records (dapo.colocated.run_colocated):
+    """Where a colocated chunk keeps its per-step records (dapo.execution.colocated.run_colocated):
     <root>/run-<run key>/chunk-<first step>-<input checkpoint's hash>. Its last step is not
     part of the name: the chunk run again (a retry, a resumed execution) finds its records,
     and so does the longer chunk that replaces a short last chunk when the run is extended,
@@ -248,20 +248,20 @@ def colocated_chunk(
     first_batch_state: str,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
-    (dapo.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
+    (dapo.execution.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
     between steps. Each step prints its line and goes to MLflow as it ends (what MLflow
     does not take goes to the returned outbox); its record lets a killed chunk go on after
     its last checkpointed step (one every checkpoint_every steps: the run's
     colocated_checkpoint_every, an input of its own as the step config leaves it out).
 
     One step off policy (off_policy_steps=1) a trainer process and a rollout process run the
-    steps side by side (dapo.overlap): first_batch (and its sampling state) is the chunk's
+    steps side by side (dapo.execution.overlap): first_batch (and its sampling state) is the chunk's
     first batch, sampled by the chunk before, and next_batch the one after the chunk. On
     policy they are None.
 
     Under torch elastic every rank runs this: the inputs are downloaded once per node,
     rank 0 reports the steps, and flytekit returns rank 0's outputs."""
-    from dapo.colocated import run_colocated
+    from dapo.execution.colocated import run_colocated
     from tasks.tracking import LoopState, report_step
 
     delivery = LoopState()
@@ -275,7 +275,7 @@ def colocated_chunk(
         on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
     )
     if config.off_policy_steps:
-        from dapo.overlap import SampledBatch, run_overlapped
+        from dapo.execution.overlap import SampledBatch, run_overlapped
 
         first = (
             None

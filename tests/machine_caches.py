@@ -17,7 +17,7 @@ def machine_caches() -> dict[str, str]:
 
 
 def torch_extensions_dir() -> str:
-    """Where torch builds DeepSpeed's CPU comm op (`make setup` does, dapo.trainer.comm_op):
+    """Where torch builds DeepSpeed's CPU comm op (`make setup` does, dapo.engines.trainer.comm_op):
     TORCH_EXTENSIONS_DIR, else torch's default, ~/.cache/torch_extensions/py<version>_cpu
     (torch adds that part only when the variable is unset)."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"

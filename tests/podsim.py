@@ -62,7 +62,7 @@ from pathlib import Path
 
 from flyteidl.core import dynamic_job_pb2, errors_pb2, literals_pb2, tasks_pb2, types_pb2, workflow_pb2
 
-from dapo.run_budget import SYSTEM_RETRIES
+from dapo.cluster.run_budget import SYSTEM_RETRIES
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

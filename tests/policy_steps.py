@@ -9,10 +9,10 @@ import pyarrow as pa
 import torch
 
 from dapo import checkpoint
-from dapo.batch import SCORED_SCHEMA
+from dapo.algorithm.batch import SCORED_SCHEMA
 from dapo.config import DAPOConfig
-from dapo.policy import TinyPolicySpec, build_tiny_policy
-from dapo.update import minibatch_backward, prepare_step
+from dapo.model.policy import TinyPolicySpec, build_tiny_policy
+from dapo.engines.update import minibatch_backward, prepare_step
 
 G = 4
 

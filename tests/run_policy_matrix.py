@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     from dapo.config import SMOLLM2_GGUF
-    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
 
     torch.set_num_threads(1)
     from dapo.tracking import run_history

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo.advantages import group_advantages
-from dapo.sampling import SamplingState, informative_groups
+from dapo.algorithm.advantages import group_advantages
+from dapo.algorithm.sampling import SamplingState, informative_groups
 
 
 def test_group_advantages_hand_computed():

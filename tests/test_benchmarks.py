@@ -123,7 +123,7 @@ def test_trl_reward_scores_a_reasoning_gym_row_by_the_tasks_own_verifier():
     """TRL hands the data set's data_source and extra_info to the reward: each row is scored by
     its source's scorer, as our verify_rewards scores it."""
     from benchmarks.vs_trl import setup_scorers
-    from dapo.gym_tasks import generate_rows, parse_spec
+    from dapo.data.gym_tasks import generate_rows, parse_spec
 
     config = DAPOConfig.smollm2_cpu()
     config = config.replace(reward_fn_by_source=setup_scorers(config))

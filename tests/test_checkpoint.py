@@ -148,8 +148,8 @@ def test_overwrite_replaces_and_can_be_refused(tmp_path):
 
 def test_trainer_save_crash_keeps_the_previous_checkpoint(tmp_path_factory, tmp_path, monkeypatch):
     from policy_steps import make_config, scored_table, shared_tiny_policy
-    from dapo.trainer import make_trainer
-    from dapo.update import policy_update
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import policy_update
 
     policy_dir = shared_tiny_policy(tmp_path_factory)
     config = make_config()

@@ -1,4 +1,4 @@
-"""The cluster cost model (dapo.cluster_cost) as benchmarks/cluster_cost.py prints it: its claims hold for every input it prints."""
+"""The cluster cost model (dapo.cluster.cluster_cost) as benchmarks/cluster_cost.py prints it: its claims hold for every input it prints."""
 
 import dataclasses
 import math
@@ -84,9 +84,9 @@ def test_the_fixed_micro_batch_ratio_it_prints_is_read_from_the_measured_results
 
 
 def test_the_run_budgets_measured_figures_are_the_ones_in_results():
-    """dapo.cluster_cost prices the run budget without reading RESULTS.md (the package does
+    """dapo.cluster.cluster_cost prices the run budget without reading RESULTS.md (the package does
     not ship it): its copy of section 4's figures must be the measured ones."""
-    from dapo import cluster_cost
+    from dapo.cluster import cluster_cost
 
     measured = cc.handoff_figures(cc.RESULTS.read_text())
     assert cluster_cost.MEASURED_HANDOFF == {key: measured[key] for key in cluster_cost.MEASURED_HANDOFF}

@@ -60,8 +60,8 @@ def test_a_changed_formula_changes_the_version():
 
 def test_a_task_depends_on_the_modules_it_runs_and_not_on_others():
     train = module_closure("tasks.train")
-    assert {"dapo.loss", "dapo.update", "dapo.trainer.deepspeed_backend", "tasks.common"} <= set(train)
-    assert "dapo.advantages" in module_closure("tasks.rollout") and "dapo.advantages" not in module_closure("tasks.data")
+    assert {"dapo.algorithm.loss", "dapo.engines.update", "dapo.engines.trainer.deepspeed_backend", "tasks.common"} <= set(train)
+    assert "dapo.algorithm.advantages" in module_closure("tasks.rollout") and "dapo.algorithm.advantages" not in module_closure("tasks.data")
     assert len({source_version(module) for module in TASK_MODULES}) == len(TASK_MODULES)
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo.stages import generation, setup, training
-from dapo.colocated import run_colocated
+from dapo.execution.stages import generation, setup, training
+from dapo.execution.colocated import run_colocated
 from dapo.config import DAPOConfig
-from dapo.rollout import close_cached_rollout_engine
+from dapo.engines.rollout import close_cached_rollout_engine
 
 from engines import one_torch_thread
 from policy_steps import shared_tiny_policy
@@ -83,7 +83,7 @@ KILLED_RUN = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from dapo.colocated import run_colocated
+from dapo.execution.colocated import run_colocated
 from dapo.config import DAPOConfig
 run_colocated(DAPOConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], 0, 3, sys.argv[4])
 """
@@ -119,7 +119,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from dapo import tracking
-from dapo.colocated import run_colocated
+from dapo.execution.colocated import run_colocated
 from dapo.config import DAPOConfig
 config, policy, data, out, n_steps, every, target = sys.argv[1:]
 target = tracking.RunTarget(**json.loads(target))
@@ -199,7 +199,7 @@ def test_a_lost_sync_fires_the_guard_and_a_fresh_engine_on_the_trainers_weights_
     """Step 1 samples from step 0's starting weights (the sync dropped): the guard refuses the
     batch, the trainer's weights are written and a fresh engine regenerates the batch; those
     weights (a whole checkpoint: ~0.5 TB at 32B) go with the step's record."""
-    from dapo.rollout.hf_engine import HFRolloutEngine
+    from dapo.engines.rollout.hf_engine import HFRolloutEngine
 
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     monkeypatch.setattr(HFRolloutEngine, "_load_tensors", lambda engine, named_tensors: None)
@@ -217,11 +217,11 @@ def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tm
     tested in test_trainer) stops at max_bad_steps in a row, its checkpoint written, instead
     of sampling on for the rest of a long chunk; run again it runs nothing; log_chunk's count
     then fails the run as per stage."""
-    import dapo.colocated
+    import dapo.execution.colocated
 
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
     config = config.replace(max_bad_steps=2)
-    real_update = dapo.colocated.train_on_batch
+    real_update = dapo.execution.colocated.train_on_batch
 
     def refused_from_step_1(trainer, config, batch, step, metrics, regenerate, label=""):
         if step < 1:
@@ -229,7 +229,7 @@ def test_a_colocated_run_stops_after_max_bad_steps_in_a_row(tmp_path_factory, tm
         metrics.update({"actor/num_updates": 0.0, "actor/nonfinite_updates": 1.0})  # as a step whose every update was refused
         return True
 
-    monkeypatch.setattr(dapo.colocated, "train_on_batch", refused_from_step_1)
+    monkeypatch.setattr(dapo.execution.colocated, "train_on_batch", refused_from_step_1)
     ran = []
     with one_torch_thread():
         result = run_colocated(config, policy_dir, data, 0, 5, tmp_path / "out", checkpoint_every=5,
@@ -249,11 +249,11 @@ def test_an_engine_that_releases_its_weights_during_the_update_gets_them_back(tm
     weights are discarded, made NaN): released, the engine refuses to generate; each step's
     sync gives it the trainer's weights again, also after a step that skips its update
     (step 0 here), and the steps are those of a run that never released anything, bit for bit."""
-    import dapo.colocated
-    from dapo.rollout import close_cached_rollout_engine, hf_engine
+    import dapo.execution.colocated
+    from dapo.engines.rollout import close_cached_rollout_engine, hf_engine
 
     config, policy_dir, data = hf_torch_run(tmp_path_factory, tmp_path)
-    monkeypatch.setattr(dapo.colocated, "skips_update", lambda config, batch, state, step: step == 0)
+    monkeypatch.setattr(dapo.execution.colocated, "skips_update", lambda config, batch, state, step: step == 0)
     with one_torch_thread():
         kept = run_colocated(config, policy_dir, data, 0, 2, tmp_path / "kept")
     close_cached_rollout_engine()
@@ -276,6 +276,6 @@ def test_an_engine_that_releases_its_weights_during_the_update_gets_them_back(tm
 
 
 def engine_sampling():
-    from dapo.rollout import SamplingSettings
+    from dapo.engines.rollout import SamplingSettings
 
     return SamplingSettings(n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)

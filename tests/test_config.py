@@ -231,7 +231,7 @@ def test_the_step_config_is_a_type_without_the_runs_shape_or_pods():
 
 @pytest.mark.parametrize("preset", ["one_gpu_1p5b", "node_7b", "paper_32b"])
 def test_every_gpu_preset_passes_its_run_budget(preset):
-    from dapo import run_budget
+    from dapo.cluster import run_budget
 
     config = DAPOConfig.preset(preset)  # validation runs the run budget, as timeouts are set
     budgets = run_budget.task_budgets(config)

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo.data import (
+from dapo.data.prompts import (
     DAPO_PROMPT_TEMPLATE,
     DIFFICULTY_LEVELS,
     VERL_SCHEMA,
@@ -112,7 +112,7 @@ def test_plain_string_prompt_is_accepted(tmp_path):
 
 
 def test_long_task_splits_hold_every_level_disjointly_with_correct_sums(tmp_path):
-    from dapo.data import CHAIN_LEVELS
+    from dapo.data.prompts import CHAIN_LEVELS
 
     train, val = write_embedded_splits(tmp_path, seed=0, train_per_level=30, val_per_level=10, task="long_arithmetic")
     train_records, val_records = load_prompts(train)[0], load_prompts(val)[0]

@@ -1,5 +1,5 @@
 """A run killed while DeepSpeed JIT-builds its CPU comm op never hangs the next one
-(dapo.trainer.comm_op): torch's build lock names no owner, ours is an flock the kernel drops."""
+(dapo.engines.trainer.comm_op): torch's build lock names no owner, ours is an flock the kernel drops."""
 
 import os
 import shutil
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo.trainer.comm_op import BUILD_DELAY_ENV, exclusive
+from dapo.engines.trainer.comm_op import BUILD_DELAY_ENV, exclusive
 from machine_caches import torch_extensions_dir
 
 pytestmark = pytest.mark.deepspeed
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def start(env: dict[str, str], log: Path, code: str = "") -> subprocess.Popen:
-    """`python -m dapo.trainer.comm_op` (or `code`), its output in `log`, in a process group of its own."""
-    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "dapo.trainer.comm_op"]
+    """`python -m dapo.engines.trainer.comm_op` (or `code`), its output in `log`, in a process group of its own."""
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "dapo.engines.trainer.comm_op"]
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 

@@ -7,15 +7,15 @@ import pytest
 
 from dapo import checkpoint
 from dapo.config import DAPOConfig
-from dapo.sampling import SamplingState
-from dapo.stages.generation import rollout
-from dapo.stages.scoring import filter_groups, verify_rewards
-from dapo.stages.setup import prepare_data
-from dapo.stages.training import policy_step
-from dapo.stages.validation import evaluate
-from dapo.policy import TinyPolicySpec, build_tiny_policy
+from dapo.algorithm.sampling import SamplingState
+from dapo.execution.stages.generation import rollout
+from dapo.execution.stages.scoring import filter_groups, verify_rewards
+from dapo.execution.stages.setup import prepare_data
+from dapo.execution.stages.training import policy_step
+from dapo.execution.stages.validation import evaluate
+from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 from dapo.rewards import verify_answer
-from dapo.rollout import close_cached_rollout_engine
+from dapo.engines.rollout import close_cached_rollout_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -84,7 +84,7 @@ def test_validation_measures_the_policy_entropy_on_its_own_samples(run_dirs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dapo.stages.validation import policy_entropy, validation_samples
+    from dapo.execution.stages.validation import policy_entropy, validation_samples
 
     config, root = run_dirs
     policy0, data = str(root / "policy-0"), str(root / "data")

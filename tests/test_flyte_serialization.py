@@ -12,7 +12,7 @@ from flytekit.types.directory import FlyteDirectory
 
 import workflows.dapo as dapo_workflow
 from dapo.config import DAPOConfig
-from dapo.schedule import chunk_ranges, is_validation_step
+from dapo.execution.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from dapo.code_version import source_version
 from tasks import data, evaluate, rollout, tracking, train

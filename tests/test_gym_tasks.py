@@ -6,11 +6,13 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from dapo import gym_tasks, rewards
+from dapo.data import gym_tasks
+
+from dapo import rewards
 from dapo.config import DAPOConfig
-from dapo.data import load_prompts
-from dapo.gym_tasks import GymSpecError, entry_of, generate_rows, parse_spec
-from dapo.stages import setup
+from dapo.data.prompts import load_prompts
+from dapo.data.gym_tasks import GymSpecError, entry_of, generate_rows, parse_spec
+from dapo.execution.stages import setup
 from tasks.data import resolve
 
 ONE_DIGIT = "reasoning_gym:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1"

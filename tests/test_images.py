@@ -261,7 +261,7 @@ def test_source_copy_respects_dockerignore(tmp_path):
         ".git/HEAD",
     ):
         assert ignore.is_ignored(path), f"{path} would be copied into the image"
-    for path in ("dapo/data.py", "images/specs.py", "workflows/dapo.py", "tasks/rollout.py", "pyproject.toml"):
+    for path in ("dapo/data/prompts.py", "images/specs.py", "workflows/dapo.py", "tasks/rollout.py", "pyproject.toml"):
         assert not ignore.is_ignored(path), f"{path} would be left out of the image"
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dapo.stages import setup, validation
-from dapo.colocated import run_colocated
+from dapo.execution.stages import setup, validation
+from dapo.execution.colocated import run_colocated
 from dapo.config import DAPOConfig
-from dapo.rollout import close_cached_rollout_engine
+from dapo.engines.rollout import close_cached_rollout_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.deepspeed, pytest.mark.slow]
 

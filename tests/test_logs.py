@@ -24,7 +24,7 @@ def test_imports_leave_logging_alone_and_a_task_configures_it_quiet_by_default(t
     result = run_python(
         """
         import logging, os
-        import dapo.rollout.vllm_engine, dapo.tracking, workflows.ablation, workflows.dapo
+        import dapo.engines.rollout.vllm_engine, dapo.tracking, workflows.ablation, workflows.dapo
         from tasks.tracking import end_failed_run
 
         root = logging.getLogger()
@@ -52,7 +52,7 @@ from dapo.logs import configure_logging
 print("torch C++ level", os.environ.get("TORCH_CPP_LOG_LEVEL"), "torch imported", "torch" in sys.modules)
 configure_logging()
 logging.getLogger("some_library.module").warning("a library warning")
-logging.getLogger("dapo.stages.training").warning("our warning")
+logging.getLogger("dapo.execution.stages.training").warning("our warning")
 exec(compile("import warnings; warnings.warn('a library deprecation', FutureWarning)", "lib.py", "exec"), {"__name__": "some_library"})
 exec(compile("import warnings; warnings.warn('our deprecation', FutureWarning)", "ours.py", "exec"), {"__name__": "dapo.config"})
 import torch, vllm._C  # vLLM's CPU worker calls this at every engine start; its C++ warning goes to stderr

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo.loss import agg_loss, clipped_token_loss, entropy_from_logits
+from dapo.algorithm.loss import agg_loss, clipped_token_loss, entropy_from_logits
 
 
 def policy_loss(log_prob, old_log_prob, advantages, response_mask, agg="token-mean", **clips):
@@ -176,7 +176,7 @@ def test_entropy_of_uniform_and_peaked():
 
 
 def test_every_registered_loss_and_aggregation_states_its_formula():
-    from dapo.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from dapo.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 
     assert set(POLICY_LOSSES) >= {"dapo"}
     assert set(LOSS_AGGREGATIONS) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}

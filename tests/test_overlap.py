@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from dapo.config import ConfigError, DAPOConfig
-from dapo.overlap import read_batch, run_overlapped
-from dapo.rollout import close_cached_rollout_engine
-from dapo.stages import generation, training
+from dapo.execution.overlap import read_batch, run_overlapped
+from dapo.engines.rollout import close_cached_rollout_engine
+from dapo.execution.stages import generation, training
 
 from engines import one_torch_thread
 from test_colocated import assert_same_steps, hf_torch_run
@@ -82,7 +82,7 @@ KILLED_RUN = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from dapo.overlap import run_overlapped
+from dapo.execution.overlap import run_overlapped
 from dapo.config import DAPOConfig
 run_overlapped(DAPOConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], 0, 4, sys.argv[4])
 """
@@ -124,7 +124,7 @@ RANKS_RUN = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from dapo.overlap import run_overlapped
+from dapo.execution.overlap import run_overlapped
 from dapo.config import DAPOConfig
 run_overlapped(DAPOConfig.from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], 0, 2, sys.argv[4])
 """

@@ -4,13 +4,13 @@ import pyarrow as pa
 import pytest
 
 from dapo import checkpoint
-from dapo.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from dapo.algorithm.batch import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from dapo.config import DAPOConfig
-from dapo.data import PromptRecord
-from dapo.sampling import SamplingState
-from dapo.stages.generation import merge_shards, policy_engine, rollout_metrics_of, round_prompts, shard_bounds, with_rollout_metrics
-from dapo.stages.scoring import batch_metrics, filter_groups, verify_rewards
-from dapo.stages.training import TooManyBadSteps, count_bad_steps, policy_step
+from dapo.data.prompts import PromptRecord
+from dapo.algorithm.sampling import SamplingState
+from dapo.execution.stages.generation import merge_shards, policy_engine, rollout_metrics_of, round_prompts, shard_bounds, with_rollout_metrics
+from dapo.execution.stages.scoring import batch_metrics, filter_groups, verify_rewards
+from dapo.execution.stages.training import TooManyBadSteps, count_bad_steps, policy_step
 
 
 def rollout_table(groups: dict[str, list[str]], truth: str = "12", lengths: list[int] | None = None) -> pa.Table:
@@ -129,7 +129,7 @@ def test_verdicts_math_verify_did_not_give_are_counted_and_shown_on_the_step_lin
 
 
 def test_a_step_whose_unverified_share_passes_the_bound_trains_on_nothing_and_stops_the_run_after_its_metrics(tmp_path, caplog):
-    from dapo.stages.training import TooManyUnverified, check_verdicts
+    from dapo.execution.stages.training import TooManyUnverified, check_verdicts
 
     too_long = "Answer: " + "1+" * 600 + "1"
     cfg = config(max_unverified_share=0.3, dynamic_sampling=False, train_prompt_bsz=2, on_short_batch="train")
@@ -201,7 +201,7 @@ def test_merged_shards_keep_all_rows_and_sum_the_rollout_metrics():
 def test_tensor_parallelism_beyond_the_pods_gpus_names_the_setting(tmp_path, monkeypatch):
     import torch
 
-    from dapo.stages import generation
+    from dapo.execution.stages import generation
 
     assert generation.vllm_on_cpu()  # here vLLM's CPU build runs tensor parallelism without GPUs
     monkeypatch.setattr(generation, "vllm_on_cpu", lambda: False)  # a CUDA build, as in the rollout image

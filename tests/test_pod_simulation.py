@@ -72,7 +72,7 @@ def cluster(tmp_path_factory, s3):
     """What the pods run against: the registration, an object store (S3 on loopback) holding
     the training data, a real MLflow server (--serve-artifacts, its artifacts in that S3),
     and the catalog every execution shares."""
-    from dapo.stages import setup
+    from dapo.execution.stages import setup
     from dapo.config import DAPOConfig
     from servers import BUCKET, S3_ENV, s3_client, start_mlflow, stop
 
@@ -318,8 +318,8 @@ def test_colocated_chunk_emitted_by_train_chunk_runs_as_a_pytorch_job_in_the_gpu
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    from dapo.colocated import run_colocated
-    from dapo.rollout import close_cached_rollout_engine
+    from dapo.execution.colocated import run_colocated
+    from dapo.engines.rollout import close_cached_rollout_engine
     from engines import one_torch_thread
 
     chunks = [(node, t) for node, t in emitted(sim) if podsim.task_name(t) == "train_chunk"]
@@ -534,7 +534,7 @@ def test_a_bad_data_row_fails_at_once_whatever_the_retries(sim, cluster, tmp_pat
     import pyarrow.parquet as pq
 
     from dapo.config import DAPOConfig
-    from dapo.stages import setup
+    from dapo.execution.stages import setup
     from servers import BUCKET, s3_client
 
     table = pq.read_table(cluster["root"] / "data" / setup.TRAIN_FILE)

@@ -55,7 +55,7 @@ def pyflyte_lines() -> list[list[str]]:
 def test_each_pyflyte_run_parses_as_pyflyte_and_dapo_loop_take_it(words):
     from flytekit.clis.sdk_in_container.run import RunLevelParams
 
-    from dapo import gym_tasks
+    from dapo.data import gym_tasks
     from dapo.config import DAPOConfig, flat_overrides, parse_assignments
     from workflows.dapo import dapo_loop
 

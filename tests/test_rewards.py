@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dapo import rewards
+from dapo.rewards import extraction, verifier_pool
 from dapo.rewards import (
     extract_answer,
     format_reward_weight,
@@ -199,9 +200,9 @@ def test_extract_answer(text, expected):
 
 
 def test_extract_only_scans_the_tail():
-    far = "Answer: 1\n" + "x" * (rewards.ANSWER_SCAN_CHARS + 10)
+    far = "Answer: 1\n" + "x" * (extraction.ANSWER_SCAN_CHARS + 10)
     assert extract_answer(far) is None
-    near = "Answer: 1\n" + "x" * (rewards.ANSWER_SCAN_CHARS - 100)
+    near = "Answer: 1\n" + "x" * (extraction.ANSWER_SCAN_CHARS - 100)
     assert extract_answer(near) == "1"
 
 
@@ -490,7 +491,7 @@ def test_score_responses_is_score_response_in_batch_order():
 def test_worker_is_a_separate_process():
     # verify_answer must not run math-verify (or its signal.alarm) in the caller's process.
     assert verify_answer("Answer: 0.125", "\\frac{1}{8}")
-    worker_pid = rewards._POOL._running_pool().schedule(os.getpid).result(timeout=30)
+    worker_pid = verifier_pool.POOL._running_pool().schedule(os.getpid).result(timeout=30)
     assert worker_pid != os.getpid()
 
 
@@ -503,7 +504,7 @@ def test_worker_is_a_separate_process():
 )
 def test_a_verifier_whose_workers_cannot_start_raises_instead_of_degrading_to_exact_matching(monkeypatch, start_worker):
     monkeypatch.setattr(rewards, "_start_worker", start_worker)
-    monkeypatch.setattr(rewards, "_POOL", rewards._VerifierPool(2))
+    monkeypatch.setattr(verifier_pool, "POOL", verifier_pool._VerifierPool(2))
     assert verify_answer("Answer: 1,000", "1000") is True  # the exact path needs no worker
     for _ in range(2):  # and every later call says so too
         with pytest.raises(rewards.VerifierUnavailable, match="failed to start 3 times in a row"):
@@ -535,8 +536,8 @@ def test_a_math_verify_exception_is_unverified_with_its_message_shown_once_at_wa
         raise ValueError("sympy could not compare")
 
     monkeypatch.setattr(math_verify, "verify", broken_verify)
-    assert rewards._math_verify("$1/2$", "$0.5$") == "ValueError: sympy could not compare"  # as the worker returns it
-    monkeypatch.setattr(rewards._POOL, "run", lambda task, args, timeout_s, what: rewards._math_verify(*args))
+    assert verifier_pool.math_verify("$1/2$", "$0.5$") == "ValueError: sympy could not compare"  # as the worker returns it
+    monkeypatch.setattr(verifier_pool.POOL, "run", lambda task, args, timeout_s, what: verifier_pool.math_verify(*args))
     monkeypatch.setattr(rewards, "_warned", set())
     verdicts = [rewards.judge_answer(f"Answer: {p}", "0.5") for p in ("1/2", "2/4", "3/6")]
     assert verdicts[0] == rewards.Verdict(False, unverified=True, note="math-verify raised ValueError: sympy could not compare")
@@ -573,8 +574,8 @@ def test_long_task_worked_solutions_are_credited_and_grow_with_the_operands():
     and their length grows faster than the operand count (the overlong regime)."""
     import random
 
-    from dapo.data import CHAIN_LEVELS, chain_problem
-    from dapo.policy import chain_response_text
+    from dapo.data.prompts import CHAIN_LEVELS, chain_problem
+    from dapo.model.policy import chain_response_text
     from dapo.rewards import score_responses
 
     rng = random.Random(0)

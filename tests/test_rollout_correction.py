@@ -1,4 +1,4 @@
-"""Rollout correction (dapo/rollout_correction.py) against a float64 reference written from
+"""Rollout correction (dapo/algorithm/rollout_correction.py) against a float64 reference written from
 its formulas, and against verl 0.9.1's implementation on the same random inputs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo.rollout_correction import ROLLOUT_CORRECTIONS, correction_weights
+from dapo.algorithm.rollout_correction import ROLLOUT_CORRECTIONS, correction_weights
 
 
 def random_batch(seed: int, rows: int = 8, width: int = 9, spread: float = 1.0):
@@ -163,8 +163,8 @@ def with_rollout_log_probs(table, log_probs):
 def test_the_update_weighs_every_tokens_loss_by_its_correction(policy_dir, name, ratio, weight):
     """Rollout log-probs set to log pi_old - log ratio on every token: the gradient of the
     token-mean loss is the uncorrected one times the weight the correction gives ratio."""
-    from dapo.trainer import make_trainer
-    from dapo.update import minibatch_backward, prepare_step
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import minibatch_backward, prepare_step
     from policy_steps import grads_of, make_config, max_diff, scored_table
 
     table = scored_table()

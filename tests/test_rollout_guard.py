@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from dapo import checkpoint
-from dapo.batch import SCORED_SCHEMA, collate_table, response_log_probs
+from dapo.algorithm.batch import SCORED_SCHEMA, collate_table, response_log_probs
 from dapo.config import ConfigError, DAPOConfig
-from dapo.sampling import SamplingState
-from dapo.stages.guard import RolloutMismatch, check_rollout_guard
-from dapo.stages.training import policy_step
+from dapo.algorithm.sampling import SamplingState
+from dapo.execution.stages.guard import RolloutMismatch, check_rollout_guard
+from dapo.execution.stages.training import policy_step
 
 from policy_steps import make_config, scored_table, shared_tiny_policy
 

@@ -1,11 +1,11 @@
-"""The run budget (dapo.run_budget): a config whose timeouts cannot cover their tasks' work,
+"""The run budget (dapo.cluster.run_budget): a config whose timeouts cannot cover their tasks' work,
 by the cost model and Flyte's deadlines, is refused before any work, naming the numbers."""
 
 from pathlib import Path
 
 import pytest
 
-from dapo import cluster_cost, run_budget
+from dapo.cluster import cluster_cost, run_budget
 from dapo.config import ConfigError, DAPOConfig
 
 PAPER = DAPOConfig.paper_32b()
@@ -81,7 +81,7 @@ def test_the_config_itself_is_plain_data_and_the_run_and_the_cli_check_the_budge
     """Building a config never prices it (no import of the cost model from the schema); the
     run's resolver and `python -m dapo config` refuse what the budget refuses."""
     from dapo import cli
-    from dapo.stages import setup
+    from dapo.execution.stages import setup
     from tasks.data import resolve
 
     monkeypatch.setattr(setup, "hub_commit", lambda name, revision: "0" * 40)  # offline: the hub's answer

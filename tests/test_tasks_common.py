@@ -60,7 +60,7 @@ def test_prepare_data_reads_data_given_as_uris():
 
     import pyarrow.parquet as pq
 
-    from dapo.data import make_arithmetic_table
+    from dapo.data.prompts import make_arithmetic_table
     from tasks.data import prepare_data
 
     fs = fsspec.filesystem("memory")
@@ -90,7 +90,7 @@ def test_the_paper_preset_asks_for_its_data_before_any_work(monkeypatch):
     import pytest
 
     from dapo.config import ConfigError
-    from dapo.stages import setup
+    from dapo.execution.stages import setup
     from tasks.data import resolve_config
 
     monkeypatch.setattr(setup, "hub_commit", lambda name, revision: "c" * 40)  # no hub here (test_model_source reads a cache)
@@ -215,9 +215,9 @@ def transient_and_deterministic_errors():
     from requests.exceptions import ConnectionError as RequestsConnectionError
 
     from dapo.config import ConfigError
-    from dapo.data import DataError
+    from dapo.data.prompts import DataError
     from dapo.rewards import ScorerError
-    from dapo.stages.guard import RolloutMismatch
+    from dapo.execution.stages.guard import RolloutMismatch
 
     def chained(outer: Exception, cause: Exception) -> Exception:
         try:

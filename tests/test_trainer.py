@@ -1,4 +1,4 @@
-"""The DAPO policy step (dapo.update on the dapo.trainer backends): exact accumulation, direction, masking, resume, refusal.
+"""The DAPO policy step (dapo.engines.update on the dapo.engines.trainer backends): exact accumulation, direction, masking, resume, refusal.
 
 The DeepSpeed tests (marker ``deepspeed``) run one process with DS_ACCELERATOR=cpu;
 the first engine of a machine JIT-builds DeepSpeed's comm op (~60 s, cached after).
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dapo import checkpoint
-from dapo.batch import collate, response_log_probs, trim_batch
-from dapo.trainer import STATE_DIR, make_trainer, prune_step_dirs
-from dapo.update import lr_at, minibatch_backward, policy_update, prepare_step
+from dapo.algorithm.batch import collate, response_log_probs, trim_batch
+from dapo.engines.trainer import STATE_DIR, make_trainer, prune_step_dirs
+from dapo.engines.update import lr_at, minibatch_backward, policy_update, prepare_step
 from policy_steps import G, accumulate, make_config, max_diff, scored_table, weights_of
 
 def sequence_log_probs(trainer, table) -> torch.Tensor:
@@ -262,7 +262,7 @@ def test_a_zero3_trainer_without_accelerate_leaves_later_model_loads_working(pol
             raise importlib.metadata.PackageNotFoundError("accelerate")
 
     monkeypatch.setattr(hf_deepspeed, "dep_version_check", no_accelerate)
-    with caplog.at_level(logging.WARNING, logger="dapo.trainer.deepspeed_backend"):
+    with caplog.at_level(logging.WARNING, logger="dapo.engines.trainer.deepspeed_backend"):
         trainer = make_trainer(make_config(trainer_backend="deepspeed", zero_stage=3), policy_dir)
     with trainer:
         assert "ZeRO-3 without partitioned loading" in caplog.text  # the fallback was taken
@@ -280,8 +280,8 @@ def test_an_hf_engine_started_beside_a_zero3_trainer_holds_the_whole_model(polic
     pytest.importorskip("accelerate")
     import transformers.modeling_utils as modeling_utils
 
-    from dapo.rollout import SamplingSettings
-    from dapo.rollout.hf_engine import HFRolloutEngine
+    from dapo.engines.rollout import SamplingSettings
+    from dapo.engines.rollout.hf_engine import HFRolloutEngine
 
     zero3_seen: list[bool] = []  # what from_pretrained saw while building a model
     zero3_enabled = modeling_utils.is_deepspeed_zero3_enabled
@@ -357,7 +357,7 @@ def test_prune_step_dirs_keeps_the_newest_steps_of_the_run(tmp_path):
 def test_zero3_sync_gathers_parameters_in_buckets_of_their_whole_size():
     """One all-gather per bucket of about SYNC_BUCKET_BYTES, not one per parameter; a ZeRO-3
     parameter's local tensor is a shard, its whole size ds_numel."""
-    from dapo.trainer.deepspeed_backend import parameter_buckets
+    from dapo.engines.trainer.deepspeed_backend import parameter_buckets
 
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate([10, 10, 30, 5, 40, 1])]
     params[3][1].ds_numel = 25  # a shard of 5 elements of a 25-element parameter
@@ -375,7 +375,7 @@ class PlantedPayload:
 
 @pytest.mark.deepspeed
 def test_a_planted_pickle_in_the_optimizer_state_is_refused_naming_the_file_and_never_runs(deepspeed_run, tmp_path, monkeypatch):
-    from dapo.trainer.deepspeed_backend import CheckpointRefused
+    from dapo.engines.trainer.deepspeed_backend import CheckpointRefused
 
     planted = tmp_path / "planted"
     shutil.copytree(deepspeed_run["ckpt"], planted)

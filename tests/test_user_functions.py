@@ -9,9 +9,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo import loss, rewards
-from dapo.stages import scoring
-from dapo.batch import ROLLOUT_SCHEMA
+from dapo.algorithm import loss
+
+from dapo import rewards
+from dapo.execution.stages import scoring
+from dapo.algorithm.batch import ROLLOUT_SCHEMA
 from dapo.config import ConfigError, DAPOConfig
 from dapo.plugins import load_user_function
 from policy_steps import accumulate, make_config, max_diff, scored_table
@@ -112,7 +114,7 @@ def test_a_scorer_receives_the_data_rows_extra_info_and_source(tmp_path):
 
 # --- losses -------------------------------------------------------------------------
 def test_a_new_loss_is_one_registered_function_chosen_by_name(policy_dir, monkeypatch):
-    from dapo.trainer import make_trainer
+    from dapo.engines.trainer import make_trainer
 
     calls = []
     monkeypatch.delitem(loss.POLICY_LOSSES, "reinforce", raising=False)  # registered below, gone after the test
@@ -129,7 +131,7 @@ def test_a_new_loss_is_one_registered_function_chosen_by_name(policy_dir, monkey
 
 
 def test_a_users_loss_from_a_file_accumulates_exactly_over_micro_batches_and_reports_its_metrics(policy_dir):
-    from dapo.trainer import make_trainer
+    from dapo.engines.trainer import make_trainer
 
     table = scored_table()
     whole_config, micro_config = make_config(loss_fn=MY_LOSS), make_config(loss_fn=MY_LOSS, micro_batch_size=4)
@@ -143,8 +145,8 @@ def test_a_users_loss_from_a_file_accumulates_exactly_over_micro_batches_and_rep
 def test_off_policy_the_example_loss_keeps_the_gradient_of_tokens_dapos_clip_drops(policy_dir):
     """With pi_theta / pi_old = e^-0.5 < 1 - eps_low on every token, DAPO's clip zeroes the
     gradient of negative-advantage tokens; CISPO weighs them by 1 - eps_low instead."""
-    from dapo.trainer import make_trainer
-    from dapo.update import minibatch_backward, prepare_step
+    from dapo.engines.trainer import make_trainer
+    from dapo.engines.update import minibatch_backward, prepare_step
     from policy_steps import grads_of
 
     table = scored_table()

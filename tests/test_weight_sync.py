@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo.batch import collate, response_log_probs
+from dapo.algorithm.batch import collate, response_log_probs
 from dapo.config import DAPOConfig
-from dapo.policy_matrix import PolicyLayout, build_policy, perturbed_copy
-from dapo.rollout import SamplingSettings, cached_rollout_engine, close_cached_rollout_engine
+from dapo.model.policy_matrix import PolicyLayout, build_policy, perturbed_copy
+from dapo.engines.rollout import SamplingSettings, cached_rollout_engine, close_cached_rollout_engine
 
 from engines import VLLM_MARKS, one_torch_thread
 
@@ -71,8 +71,8 @@ def test_in_place_reload_samples_from_the_new_weights(policies, tied):
 def test_in_memory_sync_of_a_tied_policy_samples_from_the_new_weights(policies, monkeypatch):
     """Colocated execution's sync: a tied policy's trainer parameters (lm_head shared, so named
     once) go into vLLM in memory and vLLM samples from them; without the tied alias it would not."""
-    from dapo.rollout import vllm_engine
-    from dapo.trainer import make_trainer
+    from dapo.engines.rollout import vllm_engine
+    from dapo.engines.trainer import make_trainer
 
     a, b = policies[True]
     engine = cached_rollout_engine("vllm", a, **SETTINGS)
@@ -95,9 +95,9 @@ def test_a_corrupted_reload_fires_the_guard_and_a_fresh_engine_fixes_the_batch(p
     """The reload drops the tied alias (what vLLM alone does): the rollout samples from a stale
     output embedding; policy_step refuses the batch, restarts the engine on the checkpoint,
     regenerates and trains on the new batch."""
-    from dapo.stages import generation, scoring, setup, training
-    from dapo.sampling import SamplingState
-    from dapo.rollout import vllm_engine
+    from dapo.execution.stages import generation, scoring, setup, training
+    from dapo.algorithm.sampling import SamplingState
+    from dapo.engines.rollout import vllm_engine
 
     a, b = policies[True]
     config = DAPOConfig.tiny_cpu().replace(

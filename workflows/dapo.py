@@ -43,7 +43,7 @@ from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured import StructuredDataset
 
 from dapo.config import DAPOConfig, ModelConfig, StepConfig
-from dapo.schedule import chunk_ranges, is_validation_step
+from dapo.execution.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE
 from tasks.common import (
     Checkpoint,
