@@ -24,11 +24,11 @@ MOVED_MODULES: dict[str, str] = {
     **{
         f"dapo.{name}": f"dapo.model.{name}" for name in ("model_source", "policy", "policy_matrix", "varlen_attention")
     },
-    "dapo.data.gym_tasks": "dapo.data.gym_tasks",
-    "dapo.engines.rollout": "dapo.engines.rollout",
-    "dapo.engines.trainer": "dapo.engines.trainer",
-    "dapo.engines.update": "dapo.engines.update",
-    "dapo.execution.stages": "dapo.execution.stages",
+    "dapo.gym_tasks": "dapo.data.gym_tasks",
+    "dapo.rollout": "dapo.engines.rollout",
+    "dapo.trainer": "dapo.engines.trainer",
+    "dapo.update": "dapo.engines.update",
+    "dapo.stages": "dapo.execution.stages",
     **{f"dapo.{name}": f"dapo.execution.{name}" for name in ("colocated", "overlap", "schedule")},
     **{f"dapo.{name}": f"dapo.cluster.{name}" for name in ("cluster_cost", "run_budget")},
 }

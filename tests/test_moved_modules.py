@@ -1,0 +1,50 @@
+"""Modules that moved into packages stay importable under their old names for one release."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo.moved import MOVED_MODULES, new_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_old_name_points_at_a_module_that_exists_and_no_file_is_left_under_it():
+    for old, new in MOVED_MODULES.items():
+        assert importlib.util.find_spec(new) is not None, new
+        path = ROOT / old.replace(".", "/")
+        assert not path.with_suffix(".py").exists() and not path.is_dir(), f"{old} is both moved and still there"
+
+
+def test_an_old_name_gives_the_same_module_with_a_deprecation_warning_naming_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"dapo\.loss moved to dapo\.algorithm\.loss"):
+        old = importlib.import_module("dapo.loss")
+    from dapo.algorithm import loss
+
+    assert old is loss
+    assert old.__name__ == "dapo.algorithm.loss" and old.__spec__.name == "dapo.algorithm.loss"
+
+
+def test_a_module_under_an_old_package_moves_with_it_and_is_not_loaded_twice():
+    code = (
+        "import sys, warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "import dapo.engines.rollout.hf_engine as new\n"  # the new names give no warning
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "from dapo.rollout import hf_engine\n"
+        "import dapo.stages.setup\n"
+        "assert hf_engine is new, (hf_engine, new)\n"
+        "assert dapo.stages.setup is sys.modules['dapo.execution.stages.setup']\n"
+        "copies = [m for m in sys.modules.values() if getattr(m, '__file__', None) == new.__file__]\n"
+        "assert len(set(map(id, copies))) == 1, copies\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_names_that_did_not_move_are_left_alone():
+    assert new_name("dapo.updates") is None  # "dapo.update" is a prefix of the name, not its package
+    assert new_name("dapo.config") is None and new_name("dapo.rewards") is None
+    assert new_name("dapo.rollout.vllm_engine") == "dapo.engines.rollout.vllm_engine"
