@@ -1,4 +1,5 @@
-"""Old module names, importable for one release after the modules moved into packages.
+"""Old module names, and names that left a module, importable for one release after the
+modules moved into packages (0.2.0).
 
 `import dapo.algorithm.loss` (or `from dapo.engines.rollout import vllm_engine`, or anything under an old
 package) gives the module at its new name, `dapo.algorithm.loss`, with a
@@ -15,6 +16,8 @@ import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 MOVED_MODULES: dict[str, str] = {
     **{
@@ -33,6 +36,50 @@ MOVED_MODULES: dict[str, str] = {
     **{f"dapo.{name}": f"dapo.cluster.{name}" for name in ("cluster_cost", "run_budget")},
 }
 """Old dotted name -> new dotted name; a module under an old package moves with it."""
+
+
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "dapo.data": {
+        **{
+            name: "dapo.data.prompts"
+            for name in (
+                "REQUIRED_COLUMNS",
+                "EMBEDDED_SOURCE",
+                "VERL_SCHEMA",
+                "DIFFICULTY_LEVELS",
+                "arithmetic_problem",
+                "level_problems",
+                "chain_problem",
+                "chain_level_problems",
+                "task_problem",
+            )
+        },
+        "DAPO_PROMPT_TEMPLATE": "dapo.config",
+        "EMBEDDED_TASKS": "dapo.config",
+    },
+    "dapo.execution.stages.setup": {"resolve_sources": "dapo.resolve", "check_named_functions": "dapo.resolve"},
+}
+"""Names that left a module that stayed: {module: {name: the module that has it now}}. The
+module's __getattr__ (moved_names) gives them with a DeprecationWarning."""
+
+
+def moved_names(module: str) -> Callable[[str], Any]:
+    """A module-level __getattr__ for `module` that finds the names that left it (MOVED_NAMES)
+    where they are now. The new module is imported by name when the old name is used, not
+    before: it may sit in a layer above `module`."""
+
+    def __getattr__(name: str) -> Any:
+        new = MOVED_NAMES[module].get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} moved to {new}.{name}: import it from there (the old name goes in the release after 0.2)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new), name)
+
+    return __getattr__
 
 
 def new_name(name: str) -> str | None:

@@ -21,7 +21,7 @@ from flytekit.tools.fast_registration import FastPackageOptions, fast_package
 from dapo.code_version import canonical_source, module_closure, source_version
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSS = (ROOT / "dapo" / "loss.py").read_text()
+LOSS = (ROOT / "dapo" / "algorithm" / "loss.py").read_text()
 TASK_MODULES = ["tasks.data", "tasks.rollout", "tasks.train", "tasks.evaluate", "tasks.tracking"]
 
 
@@ -103,14 +103,59 @@ def test_the_pods_compute_the_versions_registration_put_in_the_templates(tmp_pat
     assert (pod["rollout_task"], pod["policy_step"]) == (registered[rollout.rollout.name], registered[train.policy_step.name])
 
     # a comment-only edit there keeps every version; a changed formula changes those of the tasks that run it
-    loss = pod_root / "dapo" / "loss.py"
+    loss = pod_root / "dapo" / "algorithm" / "loss.py"
     loss.write_text(reworded(LOSS))
     assert run_in_copy(pod_root, VERSIONS_IN_A_POD)["versions"] == pod["versions"]
     loss.write_text(LOSS)
-    advantages = pod_root / "dapo" / "advantages.py"
+    advantages = pod_root / "dapo" / "algorithm" / "advantages.py"
     formula = "centred / (stds[index] + eps)"  # A_i = (R_i - mean) / (std + eps)
     assert formula in advantages.read_text()
     advantages.write_text(advantages.read_text().replace(formula, "centred / (stds[index] + 10 * eps)"))
     changed = run_in_copy(pod_root, VERSIONS_IN_A_POD)["versions"]
     assert changed["tasks.rollout"] != pod["versions"]["tasks.rollout"] and changed["tasks.train"] != pod["versions"]["tasks.train"]
     assert changed["tasks.data"] == pod["versions"]["tasks.data"]  # data preparation runs no advantage
+
+
+def cached_task_keys() -> dict[str, dict[str, str]]:
+    """What Flyte's catalog keys each cached task's outputs on, beside its inputs: the task's
+    name, its cache version and its interface (tests/podsim.py's Catalog.key)."""
+    import hashlib
+    import importlib
+    from collections import OrderedDict
+
+    from flytekit.configuration import Image, ImageConfig, SerializationSettings
+    from flytekit.core.base_task import PythonTask
+    from flytekit.tools.translator import get_serializable
+
+    settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="d", fqn="d", tag="t")))
+    keys = {}
+    for module in TASK_MODULES:
+        for task in vars(importlib.import_module(module)).values():
+            if isinstance(task, PythonTask) and task.metadata.cache:
+                template = get_serializable(OrderedDict(), settings, task).template.to_flyte_idl()
+                interface = hashlib.sha256(template.interface.SerializeToString(deterministic=True)).hexdigest()
+                keys[template.id.name] = {"cache_version": template.metadata.discovery_version, "interface_sha256": interface}
+    return keys
+
+
+def test_a_run_cached_by_0_1_0_replays_after_the_move_into_packages():
+    """Every cached task has the name, cache version and interface that 0.1.0 registered
+    (tests/fixtures/cache_keys_0.1.0.json, written by cached_task_keys at 003f5d7), so a run
+    cached before the move replays after it. A change of a task's code fails this on purpose:
+    it breaks cached runs, which the change of the task interfaces does once, removing this
+    test and MOVED_SOURCE_VERSIONS and saying so in docs/upgrading.md."""
+    before = json.loads((ROOT / "tests" / "fixtures" / "cache_keys_0.1.0.json").read_text())
+    assert cached_task_keys() == before
+
+
+def test_only_the_sources_an_entry_names_keep_an_earlier_version(monkeypatch):
+    from dapo import code_version
+
+    computed = code_version.computed_version("tasks.data")
+    assert code_version.MOVED_SOURCE_VERSIONS.get(computed) == code_version.source_version("tasks.data")
+    monkeypatch.setattr(code_version, "MOVED_SOURCE_VERSIONS", {"0" * 16: "an earlier version"})
+    code_version.source_version.cache_clear()
+    try:
+        assert code_version.source_version("tasks.data") == computed  # no entry names these sources
+    finally:
+        code_version.source_version.cache_clear()

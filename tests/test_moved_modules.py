@@ -48,3 +48,24 @@ def test_names_that_did_not_move_are_left_alone():
     assert new_name("dapo.updates") is None  # "dapo.update" is a prefix of the name, not its package
     assert new_name("dapo.config") is None and new_name("dapo.rewards") is None
     assert new_name("dapo.rollout.vllm_engine") == "dapo.engines.rollout.vllm_engine"
+
+
+def test_a_name_that_left_a_module_is_found_where_it_is_now_with_a_deprecation_warning():
+    from dapo import data, resolve
+    from dapo.data import prompts
+    from dapo.execution.stages import setup
+
+    with pytest.warns(DeprecationWarning, match=r"setup\.resolve_sources moved to dapo\.resolve\.resolve_sources"):
+        assert setup.resolve_sources is resolve.resolve_sources
+    with pytest.warns(DeprecationWarning, match=r"dapo\.data\.task_problem moved to dapo\.data\.prompts"):
+        assert data.task_problem is prompts.task_problem
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        data.no_such_name  # noqa: B018
+
+
+def test_every_moved_name_exists_where_the_table_says():
+    from dapo.moved import MOVED_NAMES
+
+    for module, names in MOVED_NAMES.items():
+        for name, new in names.items():
+            assert hasattr(importlib.import_module(new), name), f"{module}.{name} -> {new}"

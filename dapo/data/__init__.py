@@ -1,6 +1,7 @@
 """Prompt data: verl-format parquet files and the embedded arithmetic tasks (prompts), and
 reasoning-gym's generated tasks (gym_tasks)."""
 
+from dapo import moved
 from dapo.data.prompts import (
     CHAIN_LEVELS,
     NORMALIZED_SCHEMA,
@@ -26,3 +27,5 @@ __all__ = [
     "system_prompt_tokens",
     "write_embedded_splits",
 ]
+
+__getattr__ = moved.moved_names(__name__)  # names that moved from here, for one release

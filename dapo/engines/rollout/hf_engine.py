@@ -75,7 +75,7 @@ class HFRolloutEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         # Only SamplingSettings decide sampling: drop the checkpoint's defaults (top_k, penalties, ...).
         model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
-        return model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' wrapper of .to types its argument wrongly
+        return model.to(self.device).eval()
 
     # --- generation -----------------------------------------------------------
     def _generate(

@@ -155,7 +155,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
-                    dtype=self.dtype,  # type: ignore[arg-type]  # our names are vLLM's (dapo.config checks them)
+                    dtype=self.dtype,  # our names are vLLM's (dapo.config checks them)
                     max_model_len=self.max_model_len,
                     tensor_parallel_size=self.tensor_parallel_size,
                     seed=self.seed,

@@ -40,7 +40,7 @@ class TorchTrainer(PolicyTrainer):
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=torch.float32, attn_implementation=config.attn_implementation
-        ).to(self._device)  # type: ignore[arg-type]  # transformers' wrapper of .to types its argument wrongly
+        ).to(self._device)
         self.model.config.use_cache = False
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo import checkpoint
+from dapo import checkpoint, moved
 from dapo.config import ConfigError, DataConfig, ModelConfig
 from dapo.data.gym_tasks import DATA_SOURCE as GYM_DATA_SOURCE
 from dapo.data.gym_tasks import DEFAULT_VAL_SIZE, VAL_SEED_OFFSET, GymRow, generate_rows, is_gym_spec, parse_spec
@@ -174,3 +174,6 @@ def with_chat_template(checkpoint_dir: str | Path, config: ModelConfig) -> None:
             "with one: set model.chat_template (a Jinja template; e.g. "
             "\"{% for m in messages %}{{ m['content'] }}\\n{% endfor %}\" for plain prompts)"
         )
+
+
+__getattr__ = moved.moved_names(__name__)  # names that moved from here, for one release
