@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dapo import rewards
-from dapo.rewards import extraction, verifier_pool
+from dapo.rewards import extraction, scorers, verifier_pool
 from dapo.rewards import (
     extract_answer,
     format_reward_weight,
@@ -400,7 +400,7 @@ def test_adversarial_returns_bool_within_limit(name):
 
 def test_hard_kill_when_worker_cannot_interrupt_itself(monkeypatch):
     # Without the worker's own soft deadline, only the caller's hard kill can stop it.
-    monkeypatch.setattr(rewards, "_SOFT_DEADLINE_FRACTION", None)
+    monkeypatch.setattr(verifier_pool, "_SOFT_DEADLINE_FRACTION", None)
     got, elapsed = timed(verify_answer, "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$", "5", timeout_s=0.3)
     assert got is False
     assert elapsed < 0.3 + MARGIN_S
@@ -503,7 +503,7 @@ def test_worker_is_a_separate_process():
     ],
 )
 def test_a_verifier_whose_workers_cannot_start_raises_instead_of_degrading_to_exact_matching(monkeypatch, start_worker):
-    monkeypatch.setattr(rewards, "_start_worker", start_worker)
+    monkeypatch.setattr(verifier_pool, "_start_worker", start_worker)
     monkeypatch.setattr(verifier_pool, "POOL", verifier_pool._VerifierPool(2))
     assert verify_answer("Answer: 1,000", "1000") is True  # the exact path needs no worker
     for _ in range(2):  # and every later call says so too
@@ -514,7 +514,7 @@ def test_a_verifier_whose_workers_cannot_start_raises_instead_of_degrading_to_ex
 
 
 def test_a_verdict_math_verify_did_not_give_counts_as_wrong_and_is_marked_unverified(monkeypatch):
-    monkeypatch.setattr(rewards, "_SOFT_DEADLINE_FRACTION", None)  # only the hard kill stops it
+    monkeypatch.setattr(verifier_pool, "_SOFT_DEADLINE_FRACTION", None)  # only the hard kill stops it
     slow = "Answer: $" + "(" * 300 + "1" + ")" * 300 + "$"
     no_verdict = rewards.Verdict(correct=False, unverified=True, note="math-verify gave no verdict within 0.3 s")
     assert rewards.judge_answer(slow, "5", timeout_s=0.3) == no_verdict
@@ -538,7 +538,7 @@ def test_a_math_verify_exception_is_unverified_with_its_message_shown_once_at_wa
     monkeypatch.setattr(math_verify, "verify", broken_verify)
     assert verifier_pool.math_verify("$1/2$", "$0.5$") == "ValueError: sympy could not compare"  # as the worker returns it
     monkeypatch.setattr(verifier_pool.POOL, "run", lambda task, args, timeout_s, what: verifier_pool.math_verify(*args))
-    monkeypatch.setattr(rewards, "_warned", set())
+    monkeypatch.setattr(scorers, "_warned", set())
     verdicts = [rewards.judge_answer(f"Answer: {p}", "0.5") for p in ("1/2", "2/4", "3/6")]
     assert verdicts[0] == rewards.Verdict(False, unverified=True, note="math-verify raised ValueError: sympy could not compare")
     assert all(v.unverified and not v.correct for v in verdicts)

@@ -89,11 +89,11 @@ def test_an_unreadable_data_uri_is_named():
 def test_the_paper_preset_asks_for_its_data_before_any_work(monkeypatch):
     import pytest
 
+    from dapo import resolve
     from dapo.config import ConfigError
-    from dapo.execution.stages import setup
     from tasks.data import resolve_config
 
-    monkeypatch.setattr(setup, "hub_commit", lambda name, revision: "c" * 40)  # no hub here (test_model_source reads a cache)
+    monkeypatch.setattr(resolve, "hub_commit", lambda name, revision: "c" * 40)  # no hub here (test_model_source reads a cache)
     with pytest.raises(ConfigError, match="--train_data"):
         resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0, train_data="", val_data="", steps_per_chunk=0)
     config, step_config, data_config, _ = resolve_config(preset="paper_32b", overrides_json="{}", total_steps=0,
