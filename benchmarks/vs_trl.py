@@ -27,7 +27,7 @@ Runs, each in its own process (so peak memory is its own), caching off:
 Each run goes once per seed (the RL seed; the start is the same). Per run: wall time
 per step (training only: evaluation is excluded on both sides), generated tokens/s,
 peak RSS of the process; then every final model is validated by the same function
-(``dapo.validation.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
+(``dapo.execution.stages.validation.evaluate``: avg@4 on the 80 held-out problems), mean ± std over seeds.
 Time to accuracy: every CURVE_EVERY steps each run's policy is validated by that function
 too (ours inside dapo_loop, val_every; TRL's saved models afterwards), and the training
 seconds to the first validation at or above TRL's final accuracy (mean over seeds) are

@@ -1,20 +1,21 @@
 """DAPO: the algorithm and its execution, free of Flyte (tasks/ and workflows/ hold the Flyte code).
 
-Packages, each importing only those listed below it:
+Packages in layers, each importing only those below it (import-linter's contract in
+pyproject.toml, run by `make lint`; docs/architecture.md has the map):
+    cli         python -m dapo config
+    resolve     the whole-run checks before any work
     cluster     what a run costs and whether its timeouts cover it (cluster_cost, run_budget)
-    execution   the two execution modes: per-stage steps (stages/) and colocated chunks
-                (colocated, overlap), and the schedule of chunks
-    engines     rollout engines (vLLM, Hugging Face), trainers (DeepSpeed, torch) and the
-                policy update that drives a trainer
-    model, rewards, data
-                the policy's sources (a hub name, a GGUF file, the embedded tiny policy), the
-                verifiers and scorers, the prompt data and reasoning-gym's tasks
+    execution   per-stage steps (stages/), colocated chunks (colocated, overlap), schedule
+    engines     rollout engines, trainers, and the policy update that drives a trainer
+    model | rewards
+                the policy's sources; the verifiers and scorers (neither imports the other)
+    data        the prompt data and reasoning-gym's tasks
     config      the run's typed configuration: schema, presets, the override parser
     algorithm   DAPO's formulas: loss, advantages, the dynamic-sampling filter, rollout
                 correction, token batches and micro-batches
-Beside them: checkpoint, faults, logs, memory, plugins (a user's functions), tracking
-(MLflow), code_version (the tasks' cache versions), report and ablation (benchmarks), cli.
-The layers are checked by import-linter (pyproject.toml, `make lint`).
+Beside them, importable from any layer: checkpoint, faults, logs, memory, plugins (a user's
+functions), tracking (MLflow), code_version (the tasks' cache versions), report and
+ablation (benchmarks), and moved (the old module names, for one release).
 """
 
 from dapo import moved

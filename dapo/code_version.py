@@ -21,6 +21,8 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+from dapo.moved import new_name
+
 PROJECT_PACKAGES = ("dapo", "tasks")
 """Top-level packages whose modules make up a task's version."""
 
@@ -93,6 +95,7 @@ def _imports(module: str, tree: ast.AST, is_package: bool) -> set[str]:
             )
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    names = {new_name(name) or name for name in names}  # an old module name (dapo.moved) is its new module
     with_parents = {".".join(name.split(".")[: n + 1]) for name in names for n in range(name.count(".") + 1)}
     return {name for name in with_parents if _source_file(name)}
 
@@ -119,11 +122,11 @@ def module_closure(module: str) -> list[str]:
 
 
 MOVED_SOURCE_VERSIONS: dict[str, str] = {
-    "4d276c9d373f874f": "c224361a286c6404",  # tasks.data
-    "b73111750d57aa99": "1b6caaebefcc72f7",  # tasks.evaluate
-    "f70f069912da2cfc": "4da40d235b8fa2de",  # tasks.rollout
-    "c17dcc4c1f55090f": "6c961dd7c5561717",  # tasks.tracking
-    "949817bd36d9be76": "1faa9129ce6caed5",  # tasks.train
+    "89db4e46c7769a3b": "c224361a286c6404",  # tasks.data
+    "148e3a9f0abcdc1f": "1b6caaebefcc72f7",  # tasks.evaluate
+    "ec762bc585d07fe2": "4da40d235b8fa2de",  # tasks.rollout
+    "ab90d8fef3083a51": "6c961dd7c5561717",  # tasks.tracking
+    "5dbafc5c30bea4ee": "1faa9129ce6caed5",  # tasks.train
 }
 """{version computed from a task module's sources: the version the same code had before it
 moved}. The move into packages (0.2.0) changed the modules' names and import lines, not what

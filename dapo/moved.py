@@ -1,10 +1,12 @@
 """Old module names, and names that left a module, importable for one release after the
 modules moved into packages (0.2.0).
 
-`import dapo.algorithm.loss` (or `from dapo.engines.rollout import vllm_engine`, or anything under an old
-package) gives the module at its new name, `dapo.algorithm.loss`, with a
-DeprecationWarning naming it; both names are then the same module object, so a patch
-through either applies to both. The old names go in the release after 0.2.
+`import dapo.loss` (or `from dapo.rollout import vllm_engine`, or anything under an old
+package) gives the module at its new name, `dapo.algorithm.loss`, with a DeprecationWarning
+naming it; both names are then the same module object, so a patch through either applies to
+both. `python -m` with an old name runs the new module. A name that left a module
+(MOVED_NAMES) is looked up where it is now: patch it there, since a patch of the old name
+sets an attribute nothing reads. The old names go in the release after 0.2.
 """
 
 from __future__ import annotations
@@ -95,19 +97,34 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     moved parent package (that would load a second copy of the module)."""
 
     def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.util.spec_from_loader(fullname, self) if new_name(fullname) else None
+        new = new_name(fullname)
+        if new is None or importlib.util.find_spec(new) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        new = new_name(module.__name__)
-        warnings.warn(
-            f"{module.__name__} moved to {new}: import it from there (the old name goes in the release after 0.2)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        sys.modules[module.__name__] = importlib.import_module(str(new))  # the import system returns this entry
+        new = _warned_new_name(module.__name__)
+        sys.modules[module.__name__] = importlib.import_module(new)  # the import system returns this entry
+
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """The new module's code, for `python -m` with an old name (runpy asks for it)."""
+        new = _warned_new_name(fullname)
+        spec = importlib.util.find_spec(new)
+        loader = spec.loader if spec else None
+        return loader.get_code(new) if isinstance(loader, importlib.abc.InspectLoader) else None
+
+
+def _warned_new_name(name: str) -> str:
+    new = str(new_name(name))
+    warnings.warn(
+        f"{name} moved to {new}: import it from there (the old name goes in the release after 0.2)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return new
 
 
 def install() -> None:

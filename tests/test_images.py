@@ -251,7 +251,7 @@ def test_source_copy_respects_dockerignore(tmp_path):
     ignore = DockerIgnore(ROOT)
     for path in (
         ".venv/lib/python3.11/site-packages/torch/__init__.py",
-        "dapo/__pycache__/loss.cpython-311.pyc",
+        "dapo/algorithm/__pycache__/loss.cpython-311.pyc",
         "mlruns/0/meta.yaml",
         "data/dapo-math-17k.parquet",
         "checkpoints/step-10/model.safetensors",

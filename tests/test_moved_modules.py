@@ -16,7 +16,8 @@ def test_every_old_name_points_at_a_module_that_exists_and_no_file_is_left_under
     for old, new in MOVED_MODULES.items():
         assert importlib.util.find_spec(new) is not None, new
         path = ROOT / old.replace(".", "/")
-        assert not path.with_suffix(".py").exists() and not path.is_dir(), f"{old} is both moved and still there"
+        left = [path.with_suffix(".py"), *path.glob("**/*.py")]  # (git leaves an ignored __pycache__ behind)
+        assert not any(p.exists() for p in left), f"{old} is both moved and still there"
 
 
 def test_an_old_name_gives_the_same_module_with_a_deprecation_warning_naming_the_new_one():
@@ -42,6 +43,18 @@ def test_a_module_under_an_old_package_moves_with_it_and_is_not_loaded_twice():
         "assert len(set(map(id, copies))) == 1, copies\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_python_m_with_an_old_name_runs_the_new_module():
+    """0.1.0's `make setup` ran `python -m dapo.trainer.comm_op` (it builds or loads DeepSpeed's comm op)."""
+    done = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", "dapo.trainer.comm_op"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dapo.trainer.comm_op moved to dapo.engines.trainer.comm_op" in done.stderr
+    assert "DeepSpeed's shm comm op" in done.stdout + done.stderr
+    missing = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-m", "dapo.rollout.no_such_module"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode != 0 and "No module named dapo.rollout.no_such_module" in missing.stderr
+    assert "no_such_module moved" not in missing.stderr  # its old package warns; a module that does not exist does not
 
 
 def test_names_that_did_not_move_are_left_alone():

@@ -161,7 +161,7 @@ def check_run_budget(config: DAPOConfig) -> None:
     """Raise ConfigError naming every timeout that does not cover its task's work; nothing to
     check without a model size (the embedded policy) or without a timeout.
 
-    Called by the run's resolver (tasks.data.resolve) and `python -m dapo config`, not by the
+    Called by the run's resolver (dapo.resolve.resolve_run) and `python -m dapo config`, not by the
     config's own validation: the schema stays plain data, below the cost model that reads it."""
     if not config.model_size_billions or not (config.stage_timeout_minutes or config.chunk_timeout_minutes):
         return

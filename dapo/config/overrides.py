@@ -14,7 +14,7 @@ def parse_assignments(text: str) -> dict[str, Any]:
     """Dotted assignments as given on the command line, "algorithm.clip_high=0.2
     rollout.temperature=0.9", separated by spaces (quote a value with spaces), as overrides. Values
     are read as YAML scalars or flow collections: 0.2, true, null, "a b", {k: v}; a float field
-    also takes the text YAML 1.1 leaves unread (1e-6, inf), see _typed."""
+    also takes the text YAML 1.1 leaves unread (1e-6, inf), see dapo.config.schema._typed."""
     import shlex
 
     import yaml

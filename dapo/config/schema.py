@@ -118,7 +118,7 @@ class DataConfig:
     """The user turn a generated question becomes (reasoning_gym: data); {problem} stands for
     the question. Default: the DAPO prompt, which asks for the "Answer:" line the scorers read."""
     embedded_task: EmbeddedTask = "arithmetic"
-    """The generated task when no data is given (dapo.data.EMBEDDED_TASKS): "arithmetic" (one
+    """The generated task when no data is given (EMBEDDED_TASKS): "arithmetic" (one
     addition or subtraction, short answers) or "long_arithmetic" (sums of 3-7 one-digit
     numbers, rewritten one addition per line, 16-110-token solutions: the regime of the
     paper-fidelity ablation, where truncation and clipping bind). The embedded policy is warm-started on the same

@@ -56,7 +56,7 @@ class TinyPolicySpec:
     """Share of warm-start examples whose last line ignores the required answer layout (the
     embedded run's: DAPOConfig.embedded_layout_noise)."""
     task: str = "arithmetic"
-    """The embedded task (dapo.data.EMBEDDED_TASKS) the policy is warm-started on."""
+    """The embedded task (dapo.config.EMBEDDED_TASKS) the policy is warm-started on."""
     verbose_share: float = 0.0
     """long_arithmetic: share of warm-start solutions in the wordy style (chain_response_text)."""
     seed: int = 0

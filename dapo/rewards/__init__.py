@@ -11,22 +11,16 @@ Per response y_i to question q with ground truth a:
 
 The paper has no format reward; `format_weight` is the project's optional soft format term
 (0 keeps the paper's reward; `DAPOConfig.format_reward_weight`, off by default). A user's
-scorer runs in the worker processes below, under the same time limit as math-verify.
+scorer runs in the verifier's worker processes (verifier_pool), under math-verify's time limit.
 
 Verification order, cheapest first:
   1. extract the answer (last "Answer:" line, else last ``\\boxed{}``); none -> wrong.
   2. `normalize_answer` both sides; equal strings -> right. Both plain decimals but unequal
      -> wrong (canonical decimals are equal iff their strings are). Most DAPO-Math answers
      are integers, so most calls end here in microseconds.
-  3. otherwise math-verify (parse + verify) in a pool of worker processes (pebble) with a
-     hard time limit: math-verify's own timeouts use signal.alarm, which only works in the
-     main thread, and a stuck sympy call cannot be interrupted from another thread. The
-     worker arms a soft SIGALRM deadline in its own main thread (so ordinary slow cases do
-     not cost a new worker) and the pool kills it if it still runs at the hard deadline.
-     Workers are fresh interpreters started by loky's start method (never forked: the
-     caller may hold torch / vLLM threads), which, unlike multiprocessing's spawn and
-     forkserver, does not re-run the caller's ``__main__``: a script without an
-     ``if __name__ == "__main__":`` guard, a notebook or a pyflyte task all get math-verify.
+  3. otherwise math-verify (parse + verify) in worker processes under a hard time limit
+     (verifier_pool says why in workers, and how a script without a ``__main__`` guard, a
+     notebook or a pyflyte task all get them).
 
 A verdict math-verify did not give (its time limit, an error in it, an answer too long for
 it) counts as wrong and is marked `unverified` with the reason (`judge_answer`); the pipeline
@@ -39,11 +33,21 @@ response that kills a second worker raises ScorerError. Workers that cannot star
 Model text is never evaluated as code: only string operations here, and math-verify's
 parser (ANTLR LaTeX grammar / sympy's restricted parse_expr) in the worker.
 
-Nothing here imports flytekit; the module is safe to import from any thread or process.
+Nothing here imports flytekit; the package is safe to import from any thread or process.
 """
 
-from dapo.rewards.extraction import extract_answer, normalize_answer
+from dapo.rewards.extraction import (
+    ANSWER_SCAN_CHARS,
+    BOXED_SCAN_CHARS,
+    MAX_BOXED_CANDIDATES,
+    MAX_BOXED_CHARS,
+    MAX_BRACE_DEPTH,
+    MAX_VERIFY_CHARS,
+    extract_answer,
+    normalize_answer,
+)
 from dapo.rewards.scorers import (
+    RESERVED_SCORE_KEYS,
     SCORERS,
     Scorer,
     TaskScore,
@@ -52,6 +56,7 @@ from dapo.rewards.scorers import (
     format_reward_weight,
     format_score,
     judge_answer,
+    last_number_matches,
     overlong_penalty,
     reasoning_gym,
     register_scorer,
@@ -63,6 +68,14 @@ from dapo.rewards.scorers import (
 from dapo.rewards.verifier_pool import ScorerError, VerifierUnavailable
 
 __all__ = [
+    "ANSWER_SCAN_CHARS",
+    "BOXED_SCAN_CHARS",
+    "MAX_BOXED_CHARS",
+    "MAX_BRACE_DEPTH",
+    "MAX_BOXED_CANDIDATES",
+    "MAX_VERIFY_CHARS",
+    "RESERVED_SCORE_KEYS",
+    "last_number_matches",
     "extract_answer",
     "normalize_answer",
     "verify_answer",
