@@ -273,7 +273,14 @@ def test_the_clusters_mlflow_server_takes_the_pipelines_user_and_shows_people_on
         subprocess.run([sys.executable, "-c", create_user], env=admin, check=True, capture_output=True, timeout=120)
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "dapo-pipeline")
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pipeline-password-0")
-        assert deliver(target, records) == []
+        # delivered, at a later delivery at worst: each call waits 10 s (FAST_FAIL_ENV), which a
+        # server checking a password hash on a loaded 2-core machine has been seen to miss once
+        kept = records
+        for _ in range(3):
+            kept = deliver(target, kept)
+            if not kept:
+                break
+        assert kept == []
         run = tracking.Tracker(target).find_run()
         assert run.data.params["lr"] == "1e-06" and run.data.metrics["acc"] == 0.5
         client_for(target).create_registered_model("auth-policy", tags={tracking.MANAGED_TAG: "true"})  # as register() does
