@@ -141,7 +141,8 @@ def source_version(module: str) -> str:
     """The cache version of the tasks defined in `module` (a dotted name): 16 hex digits of
     the sha256 over the canonical source of module_closure(module), or the version those
     sources had before they moved (MOVED_SOURCE_VERSIONS)."""
-    return MOVED_SOURCE_VERSIONS.get(computed_version(module), computed_version(module))
+    computed = computed_version(module)
+    return MOVED_SOURCE_VERSIONS.get(computed, computed)
 
 
 @functools.cache
