@@ -162,7 +162,7 @@ def engine_part(check: Check) -> dict:
 
     from benchmarks.rollout import make_prompts
     from dapo.model.policy_matrix import QWEN2_5_1_5B_SHAPES, PolicyLayout, build_policy
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
     from dapo.engines.rollout.vllm_engine import free_accelerator_bytes
 
     layout = QWEN2_5_1_5B_SHAPES if check.on_gpu else PolicyLayout(tied=True, hidden_size=256, head_dim=128, num_key_value_heads=1)
@@ -173,16 +173,17 @@ def engine_part(check: Check) -> dict:
     prompts, n, max_tokens = (64, 8, 128) if check.on_gpu else (4, 2, 16)
     check.prompts = make_prompts(check.policy_dir, prompts, seed=0)
     options = {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True} if check.on_gpu else {}
+    engine_settings = EngineSettings(dtype=check.dtype, max_model_len=512, seed=0)
     before = free_accelerator_bytes()
     started = time.perf_counter()
-    check.engine = make_rollout_engine("vllm", check.policy_dir, dtype=check.dtype, max_model_len=512, seed=0, **options)
+    check.engine = make_rollout_engine("vllm", check.policy_dir, engine_settings, **options)
     result["start_seconds"] = time.perf_counter() - started
     result["reserved_bytes"] = before - free_accelerator_bytes()
     result.update(runner_and_backend(check.engine))
     settings = SamplingSettings(n=n, max_tokens=max_tokens, temperature=1.0, seed=1)
     check.engine.generate(check.prompts, settings)  # the first batch compiles
     result["vllm_tokens_per_s"] = tokens_per_second(check.engine, check.prompts, settings)
-    with make_rollout_engine("hf", check.policy_dir, dtype=check.dtype, max_model_len=512, seed=0) as hf:
+    with make_rollout_engine("hf", check.policy_dir, engine_settings) as hf:
         result["hf_generate_tokens_per_s"] = tokens_per_second(hf, check.prompts, settings)
     result["vllm_over_hf_generate"] = result["vllm_tokens_per_s"] / result["hf_generate_tokens_per_s"]
     check.report["pass"]["vllm_over_hf_generate"] = result["vllm_over_hf_generate"] >= PASS["vllm_over_hf_generate"]

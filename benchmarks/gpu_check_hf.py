@@ -276,7 +276,7 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
     from dapo.execution.stages import generation, setup, training
     from dapo.data import prompts as data
     from dapo.algorithm.batch import collate_table
-    from dapo.engines.rollout import SamplingSettings, close_cached_rollout_engine, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, close_cached_rollout_engine, make_rollout_engine
     from dapo.engines.trainer import make_trainer
     from dapo.engines.update import _rollout_diff
 
@@ -284,7 +284,7 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
     setup.prepare_data(config, work / "data")
     setup.bootstrap_policy(config, config.embedded_task, work / "policy-0")
     close_cached_rollout_engine()
-    options = dict(dtype=dtype, max_model_len=config.max_prompt_length + config.max_response_length, seed=config.seed)
+    settings = EngineSettings.from_config(config)
     records, _ = data.load_prompts(work / "data" / setup.TRAIN_FILE)
     chosen = records[:8]
     sampling = SamplingSettings(n=8, max_tokens=config.max_response_length, temperature=config.temperature, top_p=config.top_p, seed=7)
@@ -299,7 +299,7 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
         return _rollout_diff(table, log_probs, batch.response_mask), per_token.max().item(), per_token.numel()
 
     row: dict = {"dtype": dtype, "layout": "tied"}
-    engine = make_rollout_engine("hf", str(work / "policy-0"), **options)
+    engine = make_rollout_engine("hf", str(work / "policy-0"), settings)
     trainer = make_trainer(config, str(work / "policy-0"))
     try:
         row["before_update_mean"], row["before_update_max"], row["tokens"] = gap(engine, trainer)
@@ -313,7 +313,7 @@ def sync_vs_fresh_gap(work: Path, model_dir: str, dtype: str) -> dict:
         row["after_sync_mean"], row["after_sync_max"], _ = gap(engine, trainer)
         engine.close()
         trainer.save(str(work / "policy-1"), step=0)
-        fresh = make_rollout_engine("hf", str(work / "policy-1"), **options)
+        fresh = make_rollout_engine("hf", str(work / "policy-1"), settings)
         try:
             row["fresh_on_checkpoint_mean"], row["fresh_on_checkpoint_max"], _ = gap(fresh, trainer)
         finally:

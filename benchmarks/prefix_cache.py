@@ -32,14 +32,14 @@ ROUNDS = 3
 def worker(work: Path, options: dict) -> None:
     from dapo.config import DAPOConfig
     from dapo.data.prompts import load_prompts, render_prompt
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
     from dapo.execution.stages import setup
     from dapo.execution.stages.generation import round_sequences_per_engine
 
     config = DAPOConfig.smollm2_cpu()
     records, _ = load_prompts(work / "data" / setup.TRAIN_FILE)
-    engine = make_rollout_engine("vllm", work / "policy-0", dtype=config.dtype, max_model_len=config.max_prompt_length + config.max_response_length,
-                                 seed=0, max_num_seqs=round_sequences_per_engine(config), **options)
+    engine = make_rollout_engine("vllm", work / "policy-0", EngineSettings.from_config(config),
+                                 max_num_seqs=round_sequences_per_engine(config), **options)
     texts = [render_prompt(r, engine.tokenizer, config.system_prompt) for r in records[: ROUNDS * config.gen_prompt_bsz]]
     rounds = []
     with engine:

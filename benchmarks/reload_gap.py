@@ -50,14 +50,15 @@ def reference_gap(model_dir: str, dtype: str, completions, device: str) -> tuple
 
 
 def measure(layout: PolicyLayout, dtype: str, work: Path, fresh: bool, n: int = 8, max_tokens: int = 24, **engine_options) -> dict:
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     a = build_policy(work / f"{layout.name}-a", layout)
     b = perturbed_copy(a, work / f"{layout.name}-b")
     sampling = SamplingSettings(n=n, max_tokens=max_tokens, seed=1)
     row = {"layout": layout.name, "tied": layout.tied, "dtype": dtype, "device": device}
-    engine = make_rollout_engine("vllm", a, dtype=dtype, max_model_len=256, seed=0, **engine_options)
+    settings = EngineSettings(dtype=dtype, max_model_len=256, seed=0)
+    engine = make_rollout_engine("vllm", a, settings, **engine_options)
     try:
         prompts = rendered_prompts(engine.tokenizer)
         row["before_max"], row["before_mean"] = reference_gap(a, dtype, engine.generate(prompts, sampling), device)
@@ -69,7 +70,7 @@ def measure(layout: PolicyLayout, dtype: str, work: Path, fresh: bool, n: int = 
     finally:
         engine.close()
     if fresh:
-        engine = make_rollout_engine("vllm", b, dtype=dtype, max_model_len=256, seed=0, **engine_options)
+        engine = make_rollout_engine("vllm", b, settings, **engine_options)
         try:
             row["fresh_max"], row["fresh_mean"] = reference_gap(b, dtype, engine.generate(prompts, sampling), device)
         finally:

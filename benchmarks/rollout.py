@@ -48,7 +48,7 @@ def make_prompts(model_dir: str, count: int, seed: int) -> list[str]:
 
 def run_backend(args) -> dict:
     """One backend, in this process: start, first batch, steady batch, reload."""
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
 
     prompts = make_prompts(args.model_dir, args.prompts, args.seed)
     settings = dict(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
@@ -56,7 +56,7 @@ def run_backend(args) -> dict:
 
     result = {"backend": args.worker}
     started = time.perf_counter()
-    engine = make_rollout_engine(args.worker, args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len)
+    engine = make_rollout_engine(args.worker, args.model_dir, EngineSettings(dtype=args.dtype, max_model_len=args.max_model_len))
     result["start_s"] = time.perf_counter() - started
     try:
         for label, seed in (("first", 1), ("steady", 2)):

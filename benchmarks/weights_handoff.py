@@ -63,7 +63,7 @@ def timed(fn, *args, **kwargs) -> float:
 def measure(name: str, work: Path) -> dict:
     from dapo.config import DAPOConfig
     from dapo.model.policy import TinyPolicySpec, build_tiny_policy
-    from dapo.engines.rollout import make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, make_rollout_engine
     from dapo.engines.trainer import make_trainer
     from dapo.engines.update import policy_update
 
@@ -85,7 +85,7 @@ def measure(name: str, work: Path) -> dict:
     copy_weights_s = timed(shutil.copytree, full, weights_only, ignore=shutil.ignore_patterns(STATE_DIR))
 
     started = time.perf_counter()
-    engine = make_rollout_engine("vllm", source, dtype="float32", max_model_len=256, seed=0)
+    engine = make_rollout_engine("vllm", source, EngineSettings(dtype="float32", max_model_len=256, seed=0))
     start_s = time.perf_counter() - started
     reload_s = timed(engine.load_weights, weights_only)
     engine.close()

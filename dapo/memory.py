@@ -64,7 +64,7 @@ def memory_breakdown(config, trainer, engine) -> dict[str, float]:
     count = parameter_count(module)
     weight_bytes = tensor_bytes(module.parameters()) or count * 4
     trainable = parameter_count(module, trainable_only=True)
-    engine_dtype_bytes = 2 if engine.dtype in ("bfloat16", "float16", "half") else 4
+    engine_dtype_bytes = 2 if engine.settings.dtype in ("bfloat16", "float16", "half") else 4
     hf = trainer.hf_config()
     micro_tokens = config.max_tokens_per_micro_batch or trainer.forward_micro_batch_size * (
         config.max_prompt_length + config.max_response_length
@@ -87,7 +87,7 @@ def memory_breakdown(config, trainer, engine) -> dict[str, float]:
 def breakdown_line(parts: dict[str, float], config, engine) -> str:
     """The breakdown as the one line printed at the first step."""
     kv = (
-        f" ({engine.max_concurrent_sequences} sequences x {engine.max_model_len} tokens)"
+        f" ({engine.max_concurrent_sequences} sequences x {engine.settings.max_model_len} tokens)"
         if getattr(engine, "max_concurrent_sequences", None)
         else ""
     )

@@ -12,6 +12,7 @@ max |diff| 9.5e-7 at temperatures 1.0 and 0.7 (tolerance below: 1e-4).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from dapo.model.policy import TinyPolicySpec, build_tiny_policy
 from engines import VLLM_MARKS, needs_vllm, one_torch_thread
 from dapo.engines.rollout import (
     Completion,
+    EngineSettings,
     SamplingSettings,
     cached_rollout_engine,
     close_cached_rollout_engine,
@@ -37,7 +39,7 @@ from dapo.engines.rollout import (
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_PROB_TOLERANCE = 1e-4  # fp32 on both sides; measured max |diff| 9.5e-7
-ENGINE_SETTINGS = dict(dtype="float32", max_model_len=256, seed=0)
+ENGINE_SETTINGS = EngineSettings(dtype="float32", max_model_len=256, seed=0)
 
 
 # --- fixtures ---------------------------------------------------------------------
@@ -104,7 +106,7 @@ def backend(request):
 @pytest.fixture
 def engine(backend, policy_dir):
     """The process's cached engine for this backend, holding the policy_dir weights."""
-    return cached_rollout_engine(backend, policy_dir, **ENGINE_SETTINGS)
+    return cached_rollout_engine(backend, policy_dir, ENGINE_SETTINGS)
 
 
 # --- helpers ----------------------------------------------------------------------
@@ -258,7 +260,7 @@ def test_finish_reasons_at_small_max_tokens(engine, prompts):
 
 def test_max_model_len_caps_generation_and_rejects_long_prompts(engine, prompts):
     long_prompt = "".join(prompts[:3])
-    room = ENGINE_SETTINGS["max_model_len"] - len(engine.tokenize([long_prompt])[0])
+    room = ENGINE_SETTINGS.max_model_len - len(engine.tokenize([long_prompt])[0])
     assert 0 < room < 100
     completions = engine.generate([long_prompt], SamplingSettings(n=2, max_tokens=room + 50, temperature=1.5, seed=2))
     assert all(len(c.token_ids) <= room for c in completions)
@@ -306,17 +308,28 @@ def test_load_weights_rejects_another_architecture(engine, tmp_path, policy_dir)
 
 
 def test_cached_engine_reloads_in_place_and_restarts_on_new_settings(backend, policy_dir, perturbed_dir):
-    first = cached_rollout_engine(backend, policy_dir, **ENGINE_SETTINGS)
-    assert cached_rollout_engine(backend, policy_dir, **ENGINE_SETTINGS) is first
-    second = cached_rollout_engine(backend, perturbed_dir, **ENGINE_SETTINGS)
+    first = cached_rollout_engine(backend, policy_dir, ENGINE_SETTINGS)
+    assert cached_rollout_engine(backend, policy_dir, ENGINE_SETTINGS) is first
+    second = cached_rollout_engine(backend, perturbed_dir, ENGINE_SETTINGS)
     assert second is first and first.model_dir == perturbed_dir
     first.load_weights(policy_dir)  # behind the cache's back: it must notice
-    assert cached_rollout_engine(backend, perturbed_dir, **ENGINE_SETTINGS).model_dir == perturbed_dir
+    assert cached_rollout_engine(backend, perturbed_dir, ENGINE_SETTINGS).model_dir == perturbed_dir
     if backend == "hf":  # a settings change restarts the engine (costs a vLLM start: checked on hf only)
-        third = cached_rollout_engine(backend, policy_dir, **{**ENGINE_SETTINGS, "max_model_len": 128})
-        assert third is not first and first.closed and third.max_model_len == 128
+        third = cached_rollout_engine(backend, policy_dir, dataclasses.replace(ENGINE_SETTINGS, max_model_len=128))
+        assert third is not first and first.closed and third.settings.max_model_len == 128
         close_cached_rollout_engine()
         assert third.closed
+
+
+def test_a_runs_engine_settings_come_from_its_config_and_never_as_backend_options():
+    from dapo.config import DAPOConfig
+
+    config = DAPOConfig.tiny_cpu()
+    settings = EngineSettings.from_config(config)
+    assert settings == EngineSettings(config.dtype, config.max_prompt_length + config.max_response_length, 1, config.seed)
+    assert hash(settings) == hash(dataclasses.replace(settings))  # a cache key
+    with pytest.raises(TypeError, match="max_model_len: pass them in settings"):
+        make_rollout_engine("hf", "unread", max_model_len=128)  # refused before anything is loaded
 
 
 def test_load_weights_switches_to_the_new_checkpoint(backend, engine, prompts, policy_dir, perturbed_dir):
@@ -334,7 +347,7 @@ def test_load_weights_switches_to_the_new_checkpoint(backend, engine, prompts, p
     assert key(engine.generate(prompts, settings)) == key(on_a)
 
     close_cached_rollout_engine()  # in-process vLLM: one engine per process
-    with make_rollout_engine(backend, perturbed_dir, **ENGINE_SETTINGS) as fresh:
+    with make_rollout_engine(backend, perturbed_dir, ENGINE_SETTINGS) as fresh:
         fresh_b = fresh.generate(prompts, settings)
     assert key(fresh_b) == key(on_b)
     assert flat_log_probs(fresh_b) == pytest.approx(flat_log_probs(on_b), abs=1e-5)
@@ -355,7 +368,7 @@ def test_vllm_closes_cleanly_after_an_exception_in_with(policy_dir, prompts, cap
     rng_state, threads, set_num_threads = torch.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
     python_state = random.getstate()
     with pytest.raises(KeyError):
-        with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+        with make_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS) as engine:
             # vLLM seeds the global RNGs and replaces torch.set_num_threads when it starts: restored.
             assert torch.equal(torch.get_rng_state(), rng_state) and random.getstate() == python_state
             assert torch.get_num_threads() == threads and torch.set_num_threads is set_num_threads
@@ -386,16 +399,16 @@ def test_vllm_closes_cleanly_after_an_exception_in_with(policy_dir, prompts, cap
 
 @needs_vllm
 def test_vllm_allows_one_inprocess_engine_per_process(policy_dir):
-    live = cached_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS)
+    live = cached_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS)
     with pytest.raises(RuntimeError, match="already live"):
-        make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS)
+        make_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS)
     assert not live.closed
 
 
 @needs_vllm
 def test_vllm_failed_reload_restarts_the_engine_on_the_new_checkpoint(policy_dir, perturbed_dir, prompts, monkeypatch):
     settings = SamplingSettings(n=2, max_tokens=12, temperature=1.0, seed=9)
-    engine = cached_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS)
+    engine = cached_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS)
     engine.load_weights(perturbed_dir)
     in_place = engine.generate(prompts, settings)
     engine.load_weights(policy_dir)
@@ -419,14 +432,14 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
     def main():
         sys.path.insert(0, {tests!r})
         from test_rollout import process_snapshot
-        from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+        from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
 
         policy, other = sys.argv[1], sys.argv[2]
         settings = SamplingSettings(n=2, max_tokens=8, seed=1)
         before = process_snapshot()
         report = {{"before": before}}
         try:
-            with make_rollout_engine("vllm", policy, max_model_len=256) as engine:
+            with make_rollout_engine("vllm", policy, EngineSettings(max_model_len=256)) as engine:
                 report["inprocess"] = engine._inprocess
                 first = engine.generate(["What is 1 + 2?"], settings)
                 engine.load_weights(other)  # worker processes: reload through weights_path
@@ -477,11 +490,11 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent(
     from pathlib import Path
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch.distributed as dist
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
 
     rank = int(os.environ["RANK"])
     report = Path(sys.argv[2]) / f"rank-{rank}.txt"  # the ranks share stdout: their lines could interleave
-    with make_rollout_engine("vllm", sys.argv[1], max_model_len=256, distributed_executor_backend="external_launcher",
+    with make_rollout_engine("vllm", sys.argv[1], EngineSettings(max_model_len=256), distributed_executor_backend="external_launcher",
                              data_parallel_size=2) as engine:
         for round_index, idle_rank in enumerate((1, None)):
             prompts = [] if rank == idle_rank else ["What is 1 + 2?", "What is 3 + 4?"]
@@ -520,7 +533,7 @@ def test_a_closed_vllm_engine_frees_its_model_and_says_when_something_still_hold
     import gc
 
     close_cached_rollout_engine()
-    with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+    with make_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS) as engine:
         engine.generate(prompts[:1], SamplingSettings(n=1, max_tokens=4))
         holder = [engine._model_ref()]
     assert engine._model_ref() is holder[0]
@@ -536,8 +549,8 @@ def test_vllm_cpu_refuses_the_direct_in_memory_sync(policy_dir):
     the model's own load_weights cannot write into them, so the CPU syncs layerwise."""
     close_cached_rollout_engine()
     with pytest.raises(ValueError, match="in_memory_sync='direct' cannot load into vLLM's CPU build"):
-        make_rollout_engine("vllm", policy_dir, in_memory_sync="direct", **ENGINE_SETTINGS)
-    with make_rollout_engine("vllm", policy_dir, **ENGINE_SETTINGS) as engine:
+        make_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS, in_memory_sync="direct")
+    with make_rollout_engine("vllm", policy_dir, ENGINE_SETTINGS) as engine:
         assert engine.in_memory_sync == "layerwise"
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dapo.algorithm.batch import collate, response_log_probs
 from dapo.config import DAPOConfig
 from dapo.model.policy_matrix import PolicyLayout, build_policy, perturbed_copy
-from dapo.engines.rollout import SamplingSettings, cached_rollout_engine, close_cached_rollout_engine
+from dapo.engines.rollout import EngineSettings, SamplingSettings, cached_rollout_engine, close_cached_rollout_engine
 
 from engines import VLLM_MARKS, one_torch_thread
 
@@ -53,17 +53,17 @@ def max_gap(model_dir: str, completions) -> float:
 
 
 PROMPTS = ["What is 3 + 4?", "Compute 12 * 3."]
-SETTINGS = dict(dtype="float32", max_model_len=128, seed=0)
+SETTINGS = EngineSettings(dtype="float32", max_model_len=128, seed=0)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_in_place_reload_samples_from_the_new_weights(policies, tied):
     a, b = policies[tied]
-    engine = cached_rollout_engine("vllm", a, **SETTINGS)
+    engine = cached_rollout_engine("vllm", a, SETTINGS)
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]
     sampling = SamplingSettings(n=4, max_tokens=16, seed=3)
     assert max_gap(a, engine.generate(prompts, sampling)) < TOLERANCE
-    assert cached_rollout_engine("vllm", b, **SETTINGS) is engine  # same architecture: reloaded in place
+    assert cached_rollout_engine("vllm", b, SETTINGS) is engine  # same architecture: reloaded in place
     assert engine.last_reload_mode == "in_place"
     assert max_gap(b, engine.generate(prompts, sampling)) < TOLERANCE
 
@@ -75,7 +75,7 @@ def test_in_memory_sync_of_a_tied_policy_samples_from_the_new_weights(policies, 
     from dapo.engines.trainer import make_trainer
 
     a, b = policies[True]
-    engine = cached_rollout_engine("vllm", a, **SETTINGS)
+    engine = cached_rollout_engine("vllm", a, SETTINGS)
     trainer = make_trainer(DAPOConfig.tiny_cpu().replace(trainer_backend="torch"), b)
     assert "lm_head.weight" not in dict(trainer.named_weights())
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in PROMPTS]

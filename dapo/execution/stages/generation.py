@@ -212,7 +212,7 @@ def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
     config.rollout_groups engines in all."""
     import torch
 
-    from dapo.engines.rollout import cached_rollout_engine
+    from dapo.engines.rollout import EngineSettings, cached_rollout_engine
 
     gpus = torch.cuda.device_count()
     if config.tensor_parallel_size > 1 and gpus < config.tensor_parallel_size and not vllm_on_cpu():
@@ -236,15 +236,7 @@ def policy_engine(config: StepConfig, policy_dir: str, colocated: bool = False):
             options["gpu_memory_utilization"] = config.colocated_rollout_gpu_memory
             if config.colocated_release_rollout_memory:
                 options["enable_sleep_mode"] = True
-    return cached_rollout_engine(
-        config.rollout_backend,
-        policy_dir,
-        dtype=config.dtype,
-        max_model_len=config.max_prompt_length + config.max_response_length,
-        tensor_parallel_size=config.tensor_parallel_size,
-        seed=config.seed,
-        **options,
-    )
+    return cached_rollout_engine(config.rollout_backend, policy_dir, EngineSettings.from_config(config), **options)
 
 
 def completion_table(
