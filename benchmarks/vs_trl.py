@@ -182,6 +182,7 @@ class DapoReward:
     def __call__(self, prompts, completions, completion_ids, ground_truth, trainer_state=None,
                  data_source=None, extra_info=None, **_) -> list[float]:
         from dapo.rewards import score_responses
+        from dapo.config import RewardConfig, section_values
         from dapo.execution.stages.scoring import row_scorer, scoring_settings
 
         started = time.perf_counter()
@@ -189,11 +190,12 @@ class DapoReward:
         self.generated_tokens += sum(len(ids) for ids in completion_ids)
         texts = [completion[-1]["content"] if isinstance(completion, list) else completion for completion in completions]
         sources = data_source or [""] * len(texts)
+        reward = section_values(self.config, RewardConfig)
         scores = score_responses(
             texts, list(ground_truth), [len(ids) for ids in completion_ids],
-            scorers=[row_scorer(self.config, source) for source in sources],
+            scorers=[row_scorer(reward, source) for source in sources],
             extra_infos=[{**json.loads(extra or "{}"), "data_source": source} for extra, source in zip(extra_info or [None] * len(texts), sources)],
-            **scoring_settings(self.config, step),
+            **scoring_settings(reward, self.config.max_response_length, step),
         )
         self.seconds += time.perf_counter() - started
         return [float(score["reward"]) for score in scores]

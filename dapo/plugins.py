@@ -72,10 +72,11 @@ def load_user_function(spec: str, kind: str = "function") -> Callable:
 
 def named_functions(config) -> list[tuple[str, str, str]]:
     """(field, spec, kind) of every function the config names: reward_fn, each scorer of
-    reward_fn_by_source, loss_fn."""
+    reward_fn_by_source, loss_fn, adv_estimator."""
     return [
         ("reward_fn", config.reward_fn, "scorer"),
         ("loss_fn", config.loss_fn, "policy loss"),
+        ("adv_estimator", config.adv_estimator, "advantage estimator"),
         *((f"reward_fn_by_source[{source!r}]", spec, "scorer") for source, spec in config.reward_fn_by_source.items()),
     ]
 
@@ -85,7 +86,7 @@ def user_code_digest(config) -> str:
     every .py file under each function's directory (helpers it imports beside it) and the
     data files its module lists in DAPO_DATA_FILES (paths relative to that directory).
     resolve_config puts it in the step config, so that cached steps follow the code of a
-    reward or loss edited since, not only its name."""
+    reward, loss or advantage estimator edited since, not only its name."""
     specs = sorted({(spec, kind) for _, spec, kind in named_functions(config) if is_user_spec(spec)})
     if not specs:
         return ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+from dapo.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from dapo.algorithm.loss import POLICY_LOSSES
 from dapo.cluster.run_budget import check_run_budget
 from dapo.config import ConfigError, DAPOConfig
@@ -33,8 +34,13 @@ def resolve_run(config: DAPOConfig) -> DAPOConfig:
 def check_named_functions(config: DAPOConfig) -> None:
     """Load every function the config names (named_functions), so that a misspelt one fails
     when the run starts, naming its field, not steps later. Here, above the registries
-    it reads (dapo.rewards, dapo.algorithm.loss), not in dapo.plugins, which they import."""
-    registries: dict[str, Mapping[str, Callable]] = {"scorer": SCORERS, "policy loss": POLICY_LOSSES}
+    it reads (dapo.rewards, dapo.algorithm.loss, dapo.algorithm.advantages), not in dapo.plugins,
+    which they import."""
+    registries: dict[str, Mapping[str, Callable]] = {
+        "scorer": SCORERS,
+        "policy loss": POLICY_LOSSES,
+        "advantage estimator": ADVANTAGE_ESTIMATORS,
+    }
     for field, spec, kind in named_functions(config):
         try:
             resolve(spec, registries[kind], kind)

@@ -4,8 +4,9 @@ the importance weight instead of the update, so that every token keeps its gradi
     pyflyte run workflows/dapo.py dapo_loop --set algorithm.loss_fn=examples/my_loss.py:cispo
 
 A loss gets log pi_theta and log pi_theta_old of the response tokens (B, R), the
-advantages A_i (B, 1), the mask of tokens that count (B, R) and the run's config, and
-returns the per-token losses (B, R) and float metrics (actor/<name> in MLflow);
+advantages A_i (B, 1), the mask of tokens that count (B, R) and the run's algorithm
+section (dapo.config.AlgorithmConfig: clip_low, clip_high, ...), and returns the
+per-token losses (B, R) and float metrics (actor/<name> in MLflow);
 algorithm.loss_agg_mode reduces the token losses (token-mean: DAPO's).
 """
 

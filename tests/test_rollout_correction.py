@@ -3,17 +3,13 @@ its formulas, and against verl 0.9.1's implementation on the same random inputs.
 
 from __future__ import annotations
 
-import ast
 import math
-import sys
-import types
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from dapo.algorithm.rollout_correction import ROLLOUT_CORRECTIONS, correction_weights
+from verl_reference import verl_functions, verl_module
 
 
 def random_batch(seed: int, rows: int = 8, width: int = 9, spread: float = 1.0):
@@ -82,45 +78,19 @@ def test_weights_carry_no_gradient():
 
 
 # --- verl 0.9.1 -------------------------------------------------------------------------
-VERL_WHEEL = Path(sys.prefix) / "reference" / "verl-0.9.1-py3-none-any.whl"
-"""Downloaded by `make setup`, not installed (its package imports ray and more)."""
-
-
 @pytest.fixture(scope="module")
 def verl_helper():
     """verl 0.9.1's verl/trainer/ppo/rollout_corr_helper.py, run from its wheel's own source.
     Its imports are given: masked_sum and masked_mean are verl's source
     (verl/utils/torch_functional.py, whose other imports need tensordict); the three config
     and protocol classes it names only in annotations are placeholders."""
-    if not VERL_WHEEL.exists():
-        pytest.fail(f"{VERL_WHEEL} is missing: `make setup` downloads it")
-    with zipfile.ZipFile(VERL_WHEEL) as wheel:
-        functional = ast.parse(wheel.read("verl/utils/torch_functional.py"))
-        helper_source = wheel.read("verl/trainer/ppo/rollout_corr_helper.py")
-    wanted = [node for node in functional.body if isinstance(node, ast.FunctionDef) and node.name in ("masked_sum", "masked_mean")]
-    verl_f = types.ModuleType("verl.utils.torch_functional")
-    verl_f.torch = torch
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), "verl/utils/torch_functional.py", "exec"), verl_f.__dict__)
-    modules = {name: types.ModuleType(name) for name in (
-        "verl", "verl.utils", "verl.protocol", "verl.trainer", "verl.trainer.config", "verl.trainer.config.algorithm",
-        "verl.workers", "verl.workers.config", "verl.workers.config.actor")}
-    modules["verl.utils.torch_functional"] = verl_f
-    modules["verl.utils"].torch_functional = verl_f
-    modules["verl.protocol"].DataProto = object
-    modules["verl.trainer.config.algorithm"].RolloutCorrectionConfig = object
-    modules["verl.workers.config.actor"].PolicyLossConfig = object
-    saved = {name: sys.modules.get(name) for name in modules}
-    sys.modules.update(modules)
-    try:
-        helper = types.ModuleType("verl_rollout_corr_helper")
-        exec(compile(helper_source, "verl/trainer/ppo/rollout_corr_helper.py", "exec"), helper.__dict__)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return helper
+    functional = verl_functions("verl/utils/torch_functional.py", ("masked_sum", "masked_mean"), torch=torch)
+    return verl_module("verl/trainer/ppo/rollout_corr_helper.py", {
+        "verl.utils.torch_functional": functional,
+        "verl.protocol": {"DataProto": object},
+        "verl.trainer.config.algorithm": {"RolloutCorrectionConfig": object},
+        "verl.workers.config.actor": {"PolicyLossConfig": object},
+    })
 
 
 VERL_MODES = {  # ours -> verl's rollout_is and threshold spec (IcePop "lower_upper" with a lower bound below any weight)

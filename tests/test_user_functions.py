@@ -165,7 +165,7 @@ def test_off_policy_the_example_loss_keeps_the_gradient_of_tokens_dapos_clip_dro
 def test_the_example_loss_is_cispos_formula():
     log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -1.0]])
-    config = DAPOConfig.tiny_cpu()
+    config = DAPOConfig.tiny_cpu().section("algorithm")  # what a loss gets
     cispo = load_user_function(MY_LOSS)
     token_loss, metrics = cispo(log_prob, old, torch.tensor([[2.0]]), torch.ones(1, 2), config)
     weight = torch.clamp(torch.exp(log_prob - old), 1 - config.clip_low, 1 + config.clip_high).detach()

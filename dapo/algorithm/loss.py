@@ -98,8 +98,9 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: str) -> torch
 PolicyLoss = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 """loss_fn(log_prob, old_log_prob, advantages, response_mask, config) -> (L (B, R), metrics):
 log pi_theta and log pi_theta_old of the response tokens, A_i as (B, 1), the mask of
-tokens that count, and the run's DAPOConfig; metrics are floats averaged over the
-mini-batch's tokens (actor/<name> in MLflow)."""
+tokens that count, and the run's algorithm section (dapo.config.AlgorithmConfig: clip_low,
+clip_high, clip_ratio_c, ..., the objective's settings); metrics are floats averaged over
+the mini-batch's tokens (actor/<name> in MLflow)."""
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
@@ -183,7 +184,7 @@ def clipped_token_loss(
 def dapo(log_prob, old_log_prob, advantages, response_mask, config) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO's decoupled clip, L_{i,t} = -min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)
     with eps_low = config.clip_low, eps_high = config.clip_high, and the dual clip at
-    config.clip_ratio_c (clipped_token_loss)."""
+    config.clip_ratio_c (clipped_token_loss); config is the algorithm section."""
     return clipped_token_loss(
         log_prob,
         old_log_prob,

@@ -193,10 +193,16 @@ class AlgorithmConfig:
     decoupled clip with clip_low, clip_high and clip_ratio_c), or your own function as
     "package.module:function" or "path/to/file.py:function" with dapo.algorithm.loss.PolicyLoss's
     signature, run in the trainer."""
+    adv_estimator: str = "group_norm"
+    """The advantage A_i of each response from its group's rewards: a name in
+    dapo.algorithm.advantages.ADVANTAGE_ESTIMATORS ("group_norm": (R_i - mean) / (std + eps), DAPO's
+    and GRPO's; "rloo": R_i minus the mean of the group's other rewards; "dr_grpo": R_i - mean,
+    Dr. GRPO's), or your own function as "package.module:function" or "path/to/file.py:function"
+    with dapo.algorithm.advantages.AdvantageEstimator's signature, run in the trainer."""
     user_code_digest: str = ""
     """Set by resolve_config, not by hand: a hash of the files of the user's functions named
-    in reward_fn, reward_fn_by_source and loss_fn, so that the steps' cache keys follow
-    their code."""
+    in reward_fn, reward_fn_by_source, loss_fn and adv_estimator, so that the steps' cache keys
+    follow their code."""
     loss_agg_mode: str = "token-mean"
     """How token losses become the mini-batch's loss (dapo.algorithm.loss.LOSS_AGGREGATIONS):
     "token-mean" (DAPO's token-level loss), "seq-mean-token-mean" (GRPO) or
@@ -580,6 +586,11 @@ class DAPOConfig(StepConfig, RunConfig, ClusterConfig, Presets):
             "(token_tis weighs each token by pi_old / pi_rollout, as verl)",
         )
         need(bool(self.loss_fn), "loss_fn", "must name a policy loss (e.g. 'dapo' or 'my_loss.py:loss')")
+        need(
+            bool(self.adv_estimator),
+            "adv_estimator",
+            "must name an advantage estimator (e.g. 'group_norm' or 'my_advantages.py:advantages')",
+        )
         need(
             "{problem}" in self.question_template,
             "question_template",

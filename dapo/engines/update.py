@@ -2,7 +2,8 @@
 
 For a scored batch of G responses o_i per question q with rewards R_i:
 
-1. A_i = (R_i - mean({R_j})) / (std({R_j}) + eps) within each group (``dapo.algorithm.advantages``);
+1. A_i = (R_i - mean({R_j})) / (std({R_j}) + eps) within each group, or the estimator
+   ``adv_estimator`` names (``dapo.algorithm.advantages``);
 2. log pi_theta_old(o_{i,t}) (and the token entropy) recomputed by the trainer without grad;
 3. loss mask = response mask, minus truncated responses when ``overlong_filtering``;
 4. ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size`` whole groups,
@@ -38,12 +39,12 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from dapo.algorithm.advantages import group_advantages, group_index
+from dapo.algorithm.advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS, group_index
 from dapo.algorithm.batch import PolicyBatch, collate_table
 from dapo.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES, masked_mean
 from dapo.algorithm.micro_batches import plan_micro_batches
 from dapo.algorithm.rollout_correction import correction_weights
-from dapo.config import StepConfig
+from dapo.config import AlgorithmConfig, StepConfig, section_values
 from dapo.plugins import resolve as resolve_plugin
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: StepConfig, t
     if scored.num_rows == 0:
         raise ValueError("policy_update needs a non-empty scored batch")
     group_ids = scored.column("group_id").to_pylist()
-    advantages = group_advantages(scored.column("reward").to_pylist(), group_ids)
+    index = group_index(group_ids)
+    advantages = estimate_advantages(config, scored.column("reward").to_pylist(), index)
     batch = collate_table(scored, trainer.pad_token_id)
     response_mask = batch.response_mask.to(torch.float32)
     loss_mask = response_mask.clone()
@@ -105,7 +107,6 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: StepConfig, t
         # rows without rollout log-probs: 1
         rollout_weights = torch.where(covered.unsqueeze(-1), rollout_weights, response_mask)
 
-    index = group_index(group_ids)
     group_rows = [(index == g).nonzero().flatten() for g in range(int(index.max()) + 1)]
 
     lengths = response_mask.sum(dim=-1)
@@ -127,6 +128,22 @@ def prepare_step(trainer: PolicyTrainer, scored: pa.Table, config: StepConfig, t
     return StepData(batch, advantages, old_log_probs, entropy, loss_mask, group_rows, metrics, rollout_weights)
 
 
+def estimate_advantages(config: StepConfig, rewards: list[float], index: torch.Tensor) -> torch.Tensor:
+    """A_i (float32, one a response) by config.adv_estimator, from the rewards R_i as float64 and
+    the dense group index (dapo.algorithm.advantages.AdvantageEstimator); ValueError names an
+    estimator that returns another shape. A value that is not finite passes on: the update
+    refuses it (nonfinite_updates), as it does a reward that is not finite."""
+    estimator = resolve_plugin(config.adv_estimator, ADVANTAGE_ESTIMATORS, "advantage estimator")
+    with torch.no_grad():
+        advantages = torch.as_tensor(estimator(torch.tensor(rewards, dtype=torch.float64), index, ADVANTAGE_EPS))
+    if advantages.shape != (len(rewards),):
+        raise ValueError(
+            f"advantage estimator {config.adv_estimator!r} returned shape {tuple(advantages.shape)}, "
+            f"expected ({len(rewards)},)"
+        )
+    return advantages.to(torch.float32)
+
+
 def rollout_log_prob_tensor(
     scored: pa.Table, old_log_probs: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,18 +160,24 @@ def rollout_log_prob_tensor(
 
 
 def minibatch_backward(
-    trainer: PolicyTrainer, data: StepData, rows: torch.Tensor, config: StepConfig, temperature: float
+    trainer: PolicyTrainer,
+    data: StepData,
+    rows: torch.Tensor,
+    config: StepConfig,
+    temperature: float,
 ) -> dict[str, float] | None:
     """Accumulate the gradient of one mini-batch's loss over micro-batches (no optimizer step).
 
-    The loss is config.loss_fn's token losses reduced by config.loss_agg_mode (dapo.algorithm.loss).
+    The loss is config.loss_fn's token losses reduced by config.loss_agg_mode (dapo.algorithm.loss);
+    the loss sees the algorithm section.
     Returns the mini-batch's metrics (pg_loss, and the loss's metrics token-weighted over
     micro-batches and ranks) with "nonfinite" = 1.0 when a micro loss was not finite (its
     backward then poisons the gradient with NaN so the step is refused everywhere), or
     None when the mini-batch has no valid token (nothing to learn; no update).
     """
-    loss_fn = resolve_plugin(config.loss_fn, POLICY_LOSSES, "policy loss")
-    aggregation = LOSS_AGGREGATIONS[config.loss_agg_mode]
+    algorithm = section_values(config, AlgorithmConfig)
+    loss_fn = resolve_plugin(algorithm.loss_fn, POLICY_LOSSES, "policy loss")
+    aggregation = LOSS_AGGREGATIONS[algorithm.loss_agg_mode]
 
     def units(mask: torch.Tensor) -> float:
         """What the aggregation averages over: valid tokens, or responses with a valid token."""
@@ -197,7 +220,7 @@ def minibatch_backward(
             F.pad(data.old_log_probs[chunk], (0, pad)).to(device),
             data.advantages[chunk].to(device).unsqueeze(-1),
             micro_mask,
-            config,
+            algorithm,
         )
         if data.rollout_weights is not None:  # w_{i,t}: dapo.algorithm.rollout_correction
             token_loss = token_loss * F.pad(data.rollout_weights[chunk], (0, pad)).to(device, token_loss.dtype)

@@ -10,33 +10,36 @@ import pyarrow.compute as pc
 
 from dapo.algorithm.batch import REWARD_FIELDS
 from dapo.algorithm.sampling import SamplingState, informative_groups
-from dapo.config import StepConfig
+from dapo.config import RewardConfig, StepConfig, section_values
 from dapo.rewards import format_reward_weight, score_responses
 
 
-def scoring_settings(config: StepConfig, step: int | None) -> dict[str, float]:
-    """score_response's keyword arguments at this step: L_max, L_cache, the overlong
-    factor (0 when the soft punishment is off), the decayed format-reward weight (0 when
-    `step` is None: validation scores without the format bonus) and the scorer's time limit."""
+def scoring_settings(reward: RewardConfig, max_response_length: int, step: int | None) -> dict[str, float]:
+    """score_response's keyword arguments at this step: L_max (the rollout's
+    max_response_length), L_cache, the overlong factor (0 when the soft punishment is off),
+    the decayed format-reward weight (0 when `step` is None: validation scores without the
+    format bonus) and the scorer's time limit."""
     return {
-        "max_len": config.max_response_length,
-        "buffer_len": config.overlong_buffer_len,
-        "overlong_factor": config.overlong_penalty_factor if config.enable_overlong_penalty else 0.0,
+        "max_len": max_response_length,
+        "buffer_len": reward.overlong_buffer_len,
+        "overlong_factor": reward.overlong_penalty_factor if reward.enable_overlong_penalty else 0.0,
         "format_weight": 0.0
         if step is None
-        else format_reward_weight(step, config.format_reward_decay_steps, config.format_reward_weight),
-        "timeout_s": config.reward_timeout_seconds,
+        else format_reward_weight(step, reward.format_reward_decay_steps, reward.format_reward_weight),
+        "timeout_s": reward.reward_timeout_seconds,
     }
 
 
-def row_scorer(config: StepConfig, data_source: str) -> str:
+def row_scorer(reward: RewardConfig, data_source: str) -> str:
     """The scorer of a row: reward_fn_by_source's for its data_source, else reward_fn."""
-    return config.reward_fn_by_source.get(data_source, config.reward_fn)
+    return reward.reward_fn_by_source.get(data_source, reward.reward_fn)
 
 
 def verify_rewards(config: StepConfig, table: pa.Table, step: int | None) -> pa.Table:
     """Score every response: R_task by its row's scorer, the soft overlong penalty and the
-    soft format reward (rewards.score_response); step None: validation's scoring."""
+    soft format reward (rewards.score_response); step None: validation's scoring. The
+    verifier sees config's reward section and L_max, nothing else of the run."""
+    reward = section_values(config, RewardConfig)
     columns = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pydict()
     extra_infos = [
         {**json.loads(extra or "{}"), "data_source": source}
@@ -46,9 +49,9 @@ def verify_rewards(config: StepConfig, table: pa.Table, step: int | None) -> pa.
         columns["response_text"],
         columns["ground_truth"],
         [len(ids) for ids in table.column("response_token_ids").to_pylist()],
-        scorers=[row_scorer(config, source) for source in columns["data_source"]],
+        scorers=[row_scorer(reward, source) for source in columns["data_source"]],
         extra_infos=extra_infos,
-        **scoring_settings(config, step),
+        **scoring_settings(reward, config.max_response_length, step),
     )
     for field in REWARD_FIELDS:
         values = [score[field.name] for score in scores]
