@@ -121,37 +121,11 @@ def module_closure(module: str) -> list[str]:
     return sorted(seen)
 
 
-MOVED_SOURCE_VERSIONS: dict[str, str] = {
-    "89db4e46c7769a3b": "c224361a286c6404",  # tasks.data
-    "148e3a9f0abcdc1f": "1b6caaebefcc72f7",  # tasks.evaluate
-    "ec762bc585d07fe2": "4da40d235b8fa2de",  # tasks.rollout
-    "ab90d8fef3083a51": "6c961dd7c5561717",  # tasks.tracking
-    "5dbafc5c30bea4ee": "1faa9129ce6caed5",  # tasks.train
-}
-"""{version computed from a task module's sources: the version the same code had before it
-moved}. The move into packages (0.2.0) changed the modules' names and import lines, not what
-any of them does (make run's final weights are the same bytes), so each task keeps the
-version its code had before and a run cached before the move replays after it. An entry
-names the exact sources it was computed on: the next change of a task's code gives a version
-no entry names. The entries go with the next change of every version (typed task interfaces)."""
-
-
 @functools.cache
 def source_version(module: str) -> str:
     """The cache version of the tasks defined in `module` (a dotted name): 16 hex digits of
-    the sha256 over the canonical source of module_closure(module), or the version those
-    sources had before they moved (MOVED_SOURCE_VERSIONS)."""
-    computed = computed_version(module)
-    return MOVED_SOURCE_VERSIONS.get(computed, computed)
-
-
-@functools.cache
-def computed_version(module: str) -> str:
-    """16 hex digits of the sha256 over the canonical source of module_closure(module), this
-    module left out: what it holds (MOVED_SOURCE_VERSIONS) names the versions it computes."""
+    the sha256 over the canonical source of module_closure(module)."""
     digest = hashlib.sha256()
     for name in module_closure(module):
-        if name == __name__:
-            continue
         digest.update(f"{name}\n{_module_text(name)[0]}\n".encode())
     return digest.hexdigest()[:16]

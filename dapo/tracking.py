@@ -158,10 +158,38 @@ def servable_files(checkpoint_dir: str | Path) -> list[Path]:
 
 @dataclass
 class RunTarget:
+    """The MLflow run a pipeline logs to: the server, the experiment, the run's key (its
+    `dapo.run_key` tag, found again by a resumed or extended execution) and the name a new
+    run gets. Passed from task to task as a typed input."""
+
     tracking_uri: str
     experiment: str
     run_key: str
     run_name: str
+
+
+@dataclass
+class LoopState:
+    """What the training loop carries from step to step besides the checkpoint, as a typed
+    input and output of the tasks (the console shows its fields): a fixed size, whatever
+    the number of steps.
+
+    bad_steps: consecutive non-finite updates; outbox: URI of a JSON-lines file of the
+    tracking records MLflow has not accepted yet ("" = none); the best and the last
+    validation accuracy so far and their steps (-1 = none yet).
+    """
+
+    bad_steps: int = 0
+    outbox: str = ""
+    best_val_acc: float = 0.0
+    best_val_step: int = -1
+    last_val_acc: float = 0.0
+    last_val_step: int = -1
+
+    def record_validation(self, step: int, val_acc: float) -> None:
+        self.last_val_acc, self.last_val_step = val_acc, step
+        if self.best_val_step < 0 or val_acc > self.best_val_acc:
+            self.best_val_acc, self.best_val_step = val_acc, step
 
 
 class Tracker:

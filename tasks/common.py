@@ -240,11 +240,21 @@ def download_weights(policy: FlyteDirectory) -> str:
     return target
 
 
+RUN_KEY_FIELDS_ADDED: dict[str, object] = {"adv_estimator": "group_norm"}
+"""Step-config fields added since 0.2.0, which first gave out run keys, with the value every
+run had before them: a field holding that value is left out of the key, so a run started on
+an earlier release goes on in the same MLflow run (tests/fixtures/run_keys_0.2.0.json)."""
+
+
 def run_key(config: StepConfig) -> str:
     """One run's key, from its step config (a DAPOConfig's, or one): the same step config is
     the same run (its MLflow run, its directory on trainer_shared_dir), so a resumed or
     extended execution, or one validating more often, finds them again."""
-    return hashlib.sha256(section_values(config, StepConfig).to_json().encode()).hexdigest()[:16]
+    values = section_values(config, StepConfig).to_dict()
+    for name, earlier in RUN_KEY_FIELDS_ADDED.items():
+        if name in values and values[name] == earlier:
+            del values[name]
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def scratch_dir(name: str, root: str = "") -> str:

@@ -33,17 +33,18 @@ class ArrowParquetDecoder(ParquetToArrowDecodingHandler):
         )
 
 
-class ConfigTransformer(DataclassTransformer):
-    """flytekit's dataclass transformer for one config type, its literal type built once.
+class OnceTypedDataclass(DataclassTransformer):
+    """flytekit's dataclass transformer for one dataclass (a config, a state between tasks),
+    its literal type built once.
 
     flytekit rebuilds a dataclass's literal type, JSON schema included, for every node that
     takes one: ~0.1 s for DAPOConfig, so compiling the `train` dynamic of a 1,000-step
     paper_32b run took ~22 s of its pod, and every 10-step chunk ~14 s. Values are encoded
     exactly as by flytekit's own."""
 
-    def __init__(self, config_type: type):
+    def __init__(self, dataclass_type: type):
         super().__init__()
-        self._t, self._name = config_type, config_type.__name__
+        self._t, self._name = dataclass_type, dataclass_type.__name__
         self._literal_type = None
 
     def get_literal_type(self, t: type) -> object:
@@ -64,8 +65,17 @@ class LiteralEcho(Echo):
         return LiteralMap(literals={output: input_literal_map.literals[name]})
 
 
+def register_dataclass(dataclass_type: type) -> None:
+    """Pass dataclass_type with its literal type built once (OnceTypedDataclass); again: nothing.
+    The config types are registered for every task (register); a state's type by the task
+    module whose tasks pass it, so that a task's cache version (dapo.code_version, which
+    follows imports) does not take in the modules of states it never sees."""
+    if not isinstance(TypeEngine._REGISTRY.get(dataclass_type), OnceTypedDataclass):
+        TypeEngine.register(OnceTypedDataclass(dataclass_type))
+
+
 def register() -> None:
-    """Our parquet decoder for every protocol, and one config transformer per config type."""
+    """Our parquet decoder for every protocol, and the config types built once."""
     StructuredDatasetTransformerEngine.register(ArrowParquetDecoder(), override=True)
     for config_type in (DAPOConfig, StepConfig, *SECTIONS.values()):
-        TypeEngine.register(ConfigTransformer(config_type))
+        register_dataclass(config_type)

@@ -11,9 +11,11 @@ from dapo.config import StepConfig
 from dapo.execution.stages import generation, scoring
 from images.specs import CPU_IMAGE, ROLLOUT_IMAGE
 from tasks.common import ROLLOUT_POD, Checkpoint, cache, download_weights, task_entry
-from tasks.flytekit_fixes import LiteralEcho
+from tasks.flytekit_fixes import LiteralEcho, register_dataclass
 
-RoundResult = tuple[pa.Table, str, bool]
+register_dataclass(SamplingState)
+
+RoundResult = tuple[pa.Table, SamplingState, bool]
 """(batch, sampling_state, done) after a round, as unnamed outputs (o0, o1, o2): both
 branches of a round's conditional (sample_round, keep_round) return these."""
 
@@ -54,17 +56,16 @@ def verify_rewards(config: StepConfig, responses: pa.Table, step: int) -> pa.Tab
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def filter_groups(
-    config: StepConfig, scored: list[pa.Table], kept: pa.Table | None, sampling_state: str
+    config: StepConfig, scored: list[pa.Table], kept: pa.Table | None, sampling_state: SamplingState
 ) -> RoundResult:
     """Dynamic sampling over the round's shards: keep groups whose rewards differ; done when full or out of rounds."""
-    state = SamplingState.from_json(sampling_state)
     round_table, rollout_metrics = generation.merge_shards(scored)
-    batch, state = scoring.filter_groups(config, round_table, kept, state, rollout_metrics)
-    return batch, state.to_json(), state.done
+    batch, state = scoring.filter_groups(config, round_table, kept, sampling_state, rollout_metrics)
+    return batch, state, state.done
 
 
 keep_batch = LiteralEcho(name="keep_batch", inputs={"batch": pa.Table})
-keep_sampling_state = LiteralEcho(name="keep_sampling_state", inputs={"sampling_state": str})
+keep_sampling_state = LiteralEcho(name="keep_sampling_state", inputs={"sampling_state": SamplingState})
 keep_done = LiteralEcho(name="keep_done", inputs={"done": bool})
 """Echo tasks run in FlytePropeller (its `echo` plugin, enabled in k8s/flyte-binary-values.yaml):
 no pod, nothing downloaded or uploaded. The plugin echoes one input, hence one task per

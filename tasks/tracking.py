@@ -23,43 +23,18 @@ from flytekit.types.error import FlyteError
 from dapo import report, tracking
 from dapo.config import DAPOConfig, StepConfig
 from dapo.execution.stages import guard, training
+from dapo.tracking import LoopState
 from images.specs import CPU_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
 from tasks.data import resolve
+from tasks.flytekit_fixes import register_dataclass
+
+for state_type in (LoopState, tracking.RunTarget):
+    register_dataclass(state_type)
 
 logger = logging.getLogger(__name__)
 
 UNDELIVERED_FILE = "undelivered-tracking.jsonl"
-
-
-@dataclass
-class LoopState:
-    """What the training loop carries from step to step besides the checkpoint: a fixed
-    size, whatever the number of steps.
-
-    bad_steps: consecutive non-finite updates; outbox: URI of a JSON-lines file of the
-    tracking records MLflow has not accepted yet ("" = none); the best and the last
-    validation accuracy so far and their steps (-1 = none yet).
-    """
-
-    bad_steps: int = 0
-    outbox: str = ""
-    best_val_acc: float = 0.0
-    best_val_step: int = -1
-    last_val_acc: float = 0.0
-    last_val_step: int = -1
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> LoopState:
-        return cls(**json.loads(text)) if text else cls()
-
-    def record_validation(self, step: int, val_acc: float) -> None:
-        self.last_val_acc, self.last_val_step = val_acc, step
-        if self.best_val_step < 0 or val_acc > self.best_val_acc:
-            self.best_val_acc, self.best_val_step = val_acc, step
 
 
 @dataclass
@@ -81,10 +56,6 @@ class RunSummary:
     """The validation accuracy by step, as "step: acc" pairs ("" if MLflow could not be reached)."""
 
 
-def run_target(target_json: str) -> tracking.RunTarget:
-    return tracking.RunTarget(**json.loads(target_json))
-
-
 def _materialize(uri: str) -> str:
     # A registered version holds what a user serves: the weights, config and tokenizer,
     # not trainer_state/ (7x the bf16 weights' bytes).
@@ -98,15 +69,13 @@ def read_outbox(state: LoopState) -> list[dict]:
     return [json.loads(line) for line in fs.cat_file(state.outbox).decode().splitlines() if line]
 
 
-def deliver(state: LoopState, target_json: str, records: list[dict], registers: bool = False) -> None:
+def deliver(state: LoopState, target: tracking.RunTarget, records: list[dict], registers: bool = False) -> None:
     """Send the outbox's records and then these; what is left goes into a new outbox file.
 
     registers: this task's pod has disk for a model version's weights (register_model's),
     so registrations are sent; elsewhere they wait in the outbox, behind nothing and
     holding nothing up, for the next register_model."""
-    left = tracking.deliver(
-        run_target(target_json), read_outbox(state) + records, materialize=_materialize if registers else None
-    )
+    left = tracking.deliver(target, read_outbox(state) + records, materialize=_materialize if registers else None)
     state.outbox = ""
     if left:
         lines = "".join(json.dumps(record) + "\n" for record in left).encode()
@@ -120,8 +89,8 @@ def execution_name() -> str:
 
 
 class Tracking(typing.NamedTuple):
-    target_json: str
-    loop_state: str
+    target: tracking.RunTarget
+    loop_state: LoopState
 
 
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
@@ -132,74 +101,75 @@ def start_tracking(config: StepConfig, tracking_uri: str, experiment: str, data_
     target = tracking.RunTarget(
         tracking.default_tracking_uri(tracking_uri), experiment, run_key(config), f"dapo-{execution_name()}"
     )
-    target_json = json.dumps(target.__dict__)
     state = LoopState()
-    deliver(state, target_json, [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)])
-    return Tracking(target_json, state.to_json())
+    deliver(state, target, [tracking.params_record(config.to_dict()), tracking.metrics_record(0, data_stats)])
+    return Tracking(target, state)
 
 
-def report_step(state: LoopState, target_json: str, step: int, step_metrics: dict[str, float]) -> None:
+def report_step(state: LoopState, target: tracking.RunTarget, step: int, step_metrics: dict[str, float]) -> None:
     """Print the step line and log the step's metrics (after whatever earlier deliveries
     left pending; what MLflow does not take goes into state's outbox)."""
     seconds = sum(step_metrics.get(key, 0.0) for key, _ in report.STEP_PARTS)
     print(report.step_line({"step": step, **step_metrics, "step/seconds": seconds}), flush=True)
-    deliver(state, target_json, [tracking.metrics_record(step, step_metrics)])
+    deliver(state, target, [tracking.metrics_record(step, step_metrics)])
 
 
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
-def log_step(config: StepConfig, target_json: str, loop_state: str, step: int, step_metrics: dict[str, float]) -> str:
+def log_step(
+    config: StepConfig, target: tracking.RunTarget, loop_state: LoopState, step: int, step_metrics: dict[str, float]
+) -> LoopState:
     """Log a step's metrics (and whatever earlier deliveries left pending); print the step line."""
-    state = LoopState.from_json(loop_state)
+    state = dataclasses.replace(loop_state)
     state.bad_steps = training.count_bad_steps(state.bad_steps, step_metrics, config.max_bad_steps, step)
-    report_step(state, target_json, step, step_metrics)
+    report_step(state, target, step, step_metrics)
     guard.check_rollout_guard(config, step_metrics, step - 1)  # after delivery: MLflow sees why the run stops
     training.check_verdicts(config, step_metrics, step - 1)
-    return state.to_json()
+    return state
 
 
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"))
 @task_entry
 def log_chunk(
     config: StepConfig,
-    target_json: str,
-    loop_state: str,
+    target: tracking.RunTarget,
+    loop_state: LoopState,
     first_step: int,
     step_metrics: list[dict[str, float]],
     outbox: str,
-) -> str:
+) -> LoopState:
     """After a colocated chunk, which printed and logged each of its steps as it ended: the
     records it could not deliver (its outbox), then every step's metrics once more, which
     MLflow takes only where it lacks them (a chunk killed after a step's record but before
     its delivery resumes after that step: Tracker.is_logged); the bad-step count over its
     steps, and the rollout guard's verdict on its last step."""
-    state = LoopState.from_json(loop_state)
+    state = dataclasses.replace(loop_state)
     for offset, metrics in enumerate(step_metrics):
         state.bad_steps = training.count_bad_steps(
             state.bad_steps, metrics, config.max_bad_steps, first_step + offset + 1
         )
     steps = [tracking.metrics_record(first_step + offset + 1, metrics) for offset, metrics in enumerate(step_metrics)]
-    deliver(state, target_json, read_outbox(LoopState(outbox=outbox)) + steps)
+    deliver(state, target, read_outbox(LoopState(outbox=outbox)) + steps)
     if step_metrics:
         guard.check_rollout_guard(config, step_metrics[-1], first_step + len(step_metrics) - 1)
         training.check_verdicts(config, step_metrics[-1], first_step + len(step_metrics) - 1)
-    return state.to_json()
+    return state
 
 
 @task(cache=cache(__name__), container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="4Gi"), **DECKS)
 @task_entry
 def register_model(
-    target_json: str,
-    loop_state: str,
+    target: tracking.RunTarget,
+    loop_state: LoopState,
     policy: Checkpoint,
     step: int,
     eval_metrics: dict[str, float],
     samples: pa.Table,
     model_name: str,
-) -> str:
+) -> LoopState:
     """Log validation metrics and samples, register the checkpoint, move champion/newest;
     the Deck shows the run's learning curves as MLflow has them."""
-    state = LoopState.from_json(loop_state)
+    state = dataclasses.replace(loop_state)
     state.record_validation(step, eval_metrics.get("val/acc", 0.0))
     print(report.step_line({"step": step, **eval_metrics}), flush=True)
     uri = policy.remote_source or policy.path
@@ -208,8 +178,7 @@ def register_model(
         tracking.table_record(f"samples/step_{step:06d}.json", samples.to_pylist()),
         tracking.register_record(model_name, uri, step, eval_metrics.get("val/acc", 0.0), execution=execution_name()),
     ]
-    deliver(state, target_json, records, registers=True)
-    target = run_target(target_json)
+    deliver(state, target, records, registers=True)
     try:
         with tracking.fast_fail():
             run_id = tracking.Tracker(target).run_id
@@ -217,7 +186,7 @@ def register_model(
         Deck("Learning curves", report.png_html(report.learning_curves_png(history), "learning curves"))
     except Exception as error:  # the curves are a view; MLflow being down must not fail (or stall) the step
         logger.warning("no learning-curve Deck: MLflow at %s: %s", target.tracking_uri, error)
-    return state.to_json()
+    return state
 
 
 def run_tags(config: DAPOConfig) -> dict[str, str]:
@@ -233,14 +202,16 @@ def run_tags(config: DAPOConfig) -> dict[str, str]:
 
 @task(container_image=CPU_IMAGE, requests=Resources(cpu="1", mem="2Gi"))
 @task_entry
-def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model_name: str) -> RunSummary:
+def finish_tracking(
+    config: DAPOConfig, target: tracking.RunTarget, loop_state: LoopState, model_name: str
+) -> RunSummary:
     """A last delivery, then the run ends FINISHED with this execution's tags; returns the
     run's summary.
 
     Not cached: every execution, a resumed or an extended one too, ends its run. What
     still cannot be delivered stays in the outbox and, in a local run, in a file."""
-    state = LoopState.from_json(loop_state)
-    deliver(state, target_json, [])
+    state = dataclasses.replace(loop_state)
+    deliver(state, target, [])
     pending = read_outbox(state)
     if pending:
         where = f"the outbox {state.outbox}"
@@ -249,7 +220,6 @@ def finish_tracking(config: DAPOConfig, target_json: str, loop_state: str, model
             tracking.spill(pending, UNDELIVERED_FILE)
             where += f" and {os.path.abspath(UNDELIVERED_FILE)}"
         logger.warning("%d tracking record(s) could not be delivered; kept in %s", len(pending), where)
-    target = run_target(target_json)
     run_id = tracking.end_run(target, "FINISHED", run_tags(config))
     return RunSummary(
         final_step=state.last_val_step,

@@ -21,6 +21,7 @@ from dapo.algorithm.sampling import SamplingState
 from dapo.config import DAPOConfig, StepConfig
 from dapo.engines.trainer import launcher_rank, local_rank0_first, prune_step_dirs, rank0_value
 from dapo.execution.stages import training
+from dapo.tracking import LoopState, RunTarget
 from images.specs import GPU_IMAGE, TRAINER_IMAGE
 from tasks.common import (
     DECKS,
@@ -70,7 +71,9 @@ def step_output_dir(config: StepConfig, step: int, input_dir: str) -> str:
 
 @task(**trainer_pod(gpus=1))
 @task_entry
-def policy_step(config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int) -> StepOutput:
+def policy_step(
+    config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: SamplingState, step: int
+) -> StepOutput:
     """Decoupled-clip, token-level DAPO update over mini-batches; writes the next checkpoint.
 
     Under torch elastic every rank runs this body: the checkpoint directory is made by
@@ -80,15 +83,14 @@ def policy_step(config: StepConfig, policy: Checkpoint, batch: pa.Table, samplin
     started = time.perf_counter()
     out_dir = rank0_value(lambda: step_output_dir(config, step, policy.path))
     local_rank0_first(policy.download)  # one download per node, into the path every rank reads
-    state = SamplingState.from_json(sampling_state)
-    metrics = training.policy_step(config, policy.path, batch, state, step, out_dir)
+    metrics = training.policy_step(config, policy.path, batch, sampling_state, step, out_dir)
     metrics["policy_step/seconds"] = time.perf_counter() - started
     Deck("This step", report.html_table([{"metric": k, "value": f"{v:.5g}"} for k, v in sorted(metrics.items())]))
     return StepOutput(directory_output(out_dir), metrics)
 
 
 def policy_step_elastic(
-    config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: str, step: int
+    config: StepConfig, policy: Checkpoint, batch: pa.Table, sampling_state: SamplingState, step: int
 ) -> StepOutput:
     """policy_step's body, as the function of its Elastic tasks (elastic_task)."""
     return policy_step.task_function(config, policy, batch, sampling_state, step)
@@ -168,7 +170,7 @@ class ColocatedOutput(typing.NamedTuple):
     metrics: list[dict[str, float]]
     outbox: str
     next_batch: pa.Table | None
-    next_batch_state: str
+    next_batch_state: SamplingState | None
 
 
 def records_dir(config: StepConfig, policy: FlyteDirectory, first_step: int) -> str:
@@ -238,14 +240,14 @@ def chunk_pod(gpus: int, pod_template_name: str = GPU_POD_TEMPLATE_NAME) -> dict
 @task_entry
 def colocated_chunk(
     config: StepConfig,
-    target_json: str,
+    target: RunTarget,
     policy: Checkpoint,
     data: FlyteDirectory,
     first_step: int,
     last_step: int,
     checkpoint_every: int,
     first_batch: pa.Table | None,
-    first_batch_state: str,
+    first_batch_state: SamplingState | None,
 ) -> ColocatedOutput:
     """Steps [first_step, last_step) in this pod (or these ranks), the trainer and vLLM resident
     (dapo.execution.colocated): each step's new weights go into vLLM in memory, no checkpoint is read
@@ -262,7 +264,7 @@ def colocated_chunk(
     Under torch elastic every rank runs this: the inputs are downloaded once per node,
     rank 0 reports the steps, and flytekit returns rank 0's outputs."""
     from dapo.execution.colocated import run_colocated
-    from tasks.tracking import LoopState, report_step
+    from tasks.tracking import report_step
 
     delivery = LoopState()
     local_rank0_first(policy.download)  # one download per node, into the paths every rank reads
@@ -272,15 +274,15 @@ def colocated_chunk(
         prune_earlier_chunks(records, first_step)
     chunk: dict[str, typing.Any] = dict(
         checkpoint_every=checkpoint_every,
-        on_step=lambda step, metrics: report_step(delivery, target_json, step + 1, metrics),
+        on_step=lambda step, metrics: report_step(delivery, target, step + 1, metrics),
     )
     if config.off_policy_steps:
         from dapo.execution.overlap import SampledBatch, run_overlapped
 
         first = (
             None
-            if first_batch is None
-            else SampledBatch(first_batch, SamplingState.from_json(first_batch_state), first_step - 1)
+            if first_batch is None or first_batch_state is None
+            else SampledBatch(first_batch, first_batch_state, first_step - 1)
         )
         result = run_overlapped(
             config, policy.path, data.path, first_step, last_step - first_step, records, first_batch=first, **chunk
@@ -298,24 +300,24 @@ def colocated_chunk(
         result.step_metrics,
         delivery.outbox,
         None if following is None else following.batch,
-        "" if following is None else following.state.to_json(),
+        None if following is None else following.state,
     )
 
 
 def colocated_chunk_elastic(
     config: StepConfig,
-    target_json: str,
+    target: RunTarget,
     policy: Checkpoint,
     data: FlyteDirectory,
     first_step: int,
     last_step: int,
     checkpoint_every: int,
     first_batch: pa.Table | None,
-    first_batch_state: str,
+    first_batch_state: SamplingState | None,
 ) -> ColocatedOutput:
     """colocated_chunk's body, as the function of its Elastic tasks (elastic_task)."""
     return colocated_chunk.task_function(
-        config, target_json, policy, data, first_step, last_step, checkpoint_every, first_batch, first_batch_state
+        config, target, policy, data, first_step, last_step, checkpoint_every, first_batch, first_batch_state
     )
 
 

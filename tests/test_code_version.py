@@ -61,7 +61,8 @@ def test_a_changed_formula_changes_the_version():
 def test_a_task_depends_on_the_modules_it_runs_and_not_on_others():
     train = module_closure("tasks.train")
     assert {"dapo.algorithm.loss", "dapo.engines.update", "dapo.engines.trainer.deepspeed_backend", "tasks.common"} <= set(train)
-    assert "dapo.algorithm.advantages" in module_closure("tasks.rollout") and "dapo.algorithm.advantages" not in module_closure("tasks.data")
+    scoring = "dapo.execution.stages.scoring"  # the rewards' overlong and format terms
+    assert scoring in module_closure("tasks.rollout") and scoring in train and scoring not in module_closure("tasks.data")
     assert len({source_version(module) for module in TASK_MODULES}) == len(TASK_MODULES)
 
 
@@ -107,55 +108,10 @@ def test_the_pods_compute_the_versions_registration_put_in_the_templates(tmp_pat
     loss.write_text(reworded(LOSS))
     assert run_in_copy(pod_root, VERSIONS_IN_A_POD)["versions"] == pod["versions"]
     loss.write_text(LOSS)
-    advantages = pod_root / "dapo" / "algorithm" / "advantages.py"
-    formula = "centred / (stds[index] + eps)"  # A_i = (R_i - mean) / (std + eps)
-    assert formula in advantages.read_text()
-    advantages.write_text(advantages.read_text().replace(formula, "centred / (stds[index] + 10 * eps)"))
+    scoring = pod_root / "dapo" / "execution" / "stages" / "scoring.py"
+    formula = "reward.overlong_penalty_factor if reward.enable_overlong_penalty"  # the soft overlong punishment's factor
+    assert formula in scoring.read_text()
+    scoring.write_text(scoring.read_text().replace(formula, "2 * reward.overlong_penalty_factor if reward.enable_overlong_penalty"))
     changed = run_in_copy(pod_root, VERSIONS_IN_A_POD)["versions"]
     assert changed["tasks.rollout"] != pod["versions"]["tasks.rollout"] and changed["tasks.train"] != pod["versions"]["tasks.train"]
-    assert changed["tasks.data"] == pod["versions"]["tasks.data"]  # data preparation runs no advantage
-
-
-def cached_task_keys() -> dict[str, dict[str, str]]:
-    """What Flyte's catalog keys each cached task's outputs on, beside its inputs: the task's
-    name, its cache version and its interface (tests/podsim.py's Catalog.key)."""
-    import hashlib
-    import importlib
-    from collections import OrderedDict
-
-    from flytekit.configuration import Image, ImageConfig, SerializationSettings
-    from flytekit.core.base_task import PythonTask
-    from flytekit.tools.translator import get_serializable
-
-    settings = SerializationSettings(image_config=ImageConfig(default_image=Image(name="d", fqn="d", tag="t")))
-    keys = {}
-    for module in TASK_MODULES:
-        for task in vars(importlib.import_module(module)).values():
-            if isinstance(task, PythonTask) and task.metadata.cache:
-                template = get_serializable(OrderedDict(), settings, task).template.to_flyte_idl()
-                interface = hashlib.sha256(template.interface.SerializeToString(deterministic=True)).hexdigest()
-                keys[template.id.name] = {"cache_version": template.metadata.discovery_version, "interface_sha256": interface}
-    return keys
-
-
-def test_a_run_cached_by_0_1_0_replays_after_the_move_into_packages():
-    """Every cached task has the name, cache version and interface that 0.1.0 registered
-    (tests/fixtures/cache_keys_0.1.0.json, written by cached_task_keys at 003f5d7), so a run
-    cached before the move replays after it. A change of a task's code fails this on purpose:
-    it breaks cached runs, which the change of the task interfaces does once, removing this
-    test and MOVED_SOURCE_VERSIONS and saying so in docs/upgrading.md."""
-    before = json.loads((ROOT / "tests" / "fixtures" / "cache_keys_0.1.0.json").read_text())
-    assert cached_task_keys() == before
-
-
-def test_only_the_sources_an_entry_names_keep_an_earlier_version(monkeypatch):
-    from dapo import code_version
-
-    computed = code_version.computed_version("tasks.data")
-    assert code_version.MOVED_SOURCE_VERSIONS.get(computed) == code_version.source_version("tasks.data")
-    monkeypatch.setattr(code_version, "MOVED_SOURCE_VERSIONS", {"0" * 16: "an earlier version"})
-    code_version.source_version.cache_clear()
-    try:
-        assert code_version.source_version("tasks.data") == computed  # no entry names these sources
-    finally:
-        code_version.source_version.cache_clear()
+    assert changed["tasks.data"] == pod["versions"]["tasks.data"]  # data preparation scores no response

@@ -12,6 +12,7 @@ from flytekit.types.directory import FlyteDirectory
 from safetensors.torch import load_file
 
 from dapo import checkpoint
+from dapo.algorithm.sampling import SamplingState
 from tasks import train
 from policy_steps import make_config, scored_table, shared_tiny_policy
 
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 def run_step(task, config, policy_dir: str, table) -> tuple[str, dict[str, float]]:
     """The task executed locally (outside a workflow), as pyflyte run would."""
-    out = task(config=config, policy=FlyteDirectory(policy_dir), batch=table, sampling_state="", step=0)
+    out = task(config=config, policy=FlyteDirectory(policy_dir), batch=table, sampling_state=SamplingState(), step=0)
     return out.policy.path, out.metrics
 
 

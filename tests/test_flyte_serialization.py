@@ -2,6 +2,7 @@
 
 import datetime
 import inspect
+import os
 from collections import OrderedDict
 
 import pytest
@@ -15,7 +16,10 @@ from dapo.config import DAPOConfig
 from dapo.execution.schedule import chunk_ranges, is_validation_step
 from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from dapo.code_version import source_version
+from dapo.tracking import LoopState, RunTarget
 from tasks import data, evaluate, rollout, tracking, train
+
+TARGET = RunTarget("sqlite:///mlflow.db", "dapo", "run-key", "run-name")
 
 SETTINGS = SerializationSettings(
     image_config=ImageConfig(default_image=Image(name="default", fqn="registry.example/default", tag="v1")),
@@ -125,7 +129,7 @@ def test_train_chunk_shapes_every_pod_from_the_config(tmp_path):
     resolver, the full batch passes through an echo task (no pod), retries and timeouts."""
     config = DAPOConfig.paper_32b().replace(execution="per_stage", gpu_accelerator="nvidia-h100", max_num_gen_batches=3, val_every=1)
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
-                           target_json="{}", loop_state="", first_step=0, last_step=1, model_name="m")
+                           target=TARGET, loop_state=LoopState(), first_step=0, last_step=1, model_name="m")
     registered = {image.image_name() for image in (CPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE)}
     tasks = {t.id.name: t for t in spec.tasks}
     assert {t.container.image for t in tasks.values() if t.container} <= registered
@@ -162,7 +166,7 @@ def test_a_colocated_chunk_is_one_gpu_pod_of_the_gpu_image(tmp_path):
         chunk_timeout_minutes=15 * 60, trainer_shared_dir="",
     )
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
-                           target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
+                           target=TARGET, loop_state=LoopState(), first_step=0, last_step=10, model_name="m")
     names = [n.task_node.reference_id.name.split(".")[-1] for n in spec.nodes if n.task_node is not None]
     assert names == ["colocated_chunk", "log_chunk", "evaluate", "register_model"]
     chunk = next(n for n in spec.nodes if n.metadata.name.endswith("colocated_chunk"))
@@ -191,7 +195,7 @@ def test_one_step_off_the_rollout_of_step_t_plus_1_reads_the_checkpoint_step_t_t
     (the batch after the chunk, its output) binds step 0's output checkpoint."""
     config = DAPOConfig.paper_32b().replace(execution="per_stage", off_policy_steps=1, rollout_correction="token_tis")
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
-                           target_json="{}", loop_state="", first_step=0, last_step=2, model_name="m")
+                           target=TARGET, loop_state=LoopState(), first_step=0, last_step=2, model_name="m")
     first_rounds = {int(next(b.binding.scalar.primitive.integer for b in n.inputs if b.var == "step")): n
                     for n in spec.nodes if n.workflow_node is not None and any(b.var == "round_index" and
                                                                                 b.binding.scalar.primitive.integer == 0
@@ -211,7 +215,7 @@ def test_a_paper_32b_colocated_chunk_is_a_pytorch_job_over_the_trainer_gpus(tmp_
     config = DAPOConfig.paper_32b().replace(execution="colocated", gpu_accelerator="nvidia-h100", val_every=10)
     assert config.rollout_groups == config.rollout_shards == 32
     spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path, config=config, step_config=config.step_config(),
-                           target_json="{}", loop_state="", first_step=0, last_step=10, model_name="m")
+                           target=TARGET, loop_state=LoopState(), first_step=0, last_step=10, model_name="m")
     names = [n.task_node.reference_id.name.split(".")[-1] for n in spec.nodes if n.task_node is not None]
     assert names == ["colocated_chunk_elastic", "log_chunk", "evaluate", "register_model"]
     template = next(t for t in spec.tasks if t.id.name.endswith("colocated_chunk_elastic"))
@@ -324,7 +328,7 @@ def preset_dag(tmp_path, config: DAPOConfig):
     """What a run of `config`'s dynamic pods emit: the step loop (train) and its last chunk
     (train_chunk), as DynamicJobSpecs (their futures.pb)."""
     config = config.replace(train_data_path="s3://b/train.parquet", val_data_path="s3://b/val.parquet")
-    common = {"config": config, "step_config": config.step_config(), "target_json": "{}", "loop_state": "", "model_name": "m"}
+    common = {"config": config, "step_config": config.step_config(), "target": TARGET, "loop_state": LoopState(), "model_name": "m"}
     train_spec = compile_dynamic(dapo_workflow.train, tmp_path / "train", model_config=config.section("model"), **common)
     first, last = chunk_ranges(config)[-1]
     chunk_spec = compile_dynamic(dapo_workflow.train_chunk, tmp_path / "chunk", first_step=first, last_step=last, **common)
@@ -377,3 +381,72 @@ def test_each_hardware_preset_compiles_with_its_chunks_shaped_for_its_gpus(tmp_p
     # a chunk whose records are on trainer_shared_dir runs where that volume is mounted
     assert task.metadata.pod_template_name == ("dapo-gpu-shared" if config.trainer_shared_dir else "dapo-gpu")
     assert max(spec.to_flyte_idl().ByteSize() for spec in (train_spec, chunk_spec)) < podsim.MAX_DOWNLOAD_BYTES
+
+
+STATE_VALUES = """
+from dapo.algorithm.sampling import SamplingState
+from dapo.config import DAPOConfig
+from dapo.tracking import LoopState, RunTarget
+VALUES = {
+    SamplingState: SamplingState(rounds=2, kept_groups=3, done=True, rollout_seconds=1.5, unverified_notes=["a", "b"]),
+    LoopState: LoopState(bad_steps=1, outbox="s3://b/outbox.jsonl", best_val_acc=0.25, best_val_step=4),
+    RunTarget: RunTarget("http://mlflow:5000", "dapo", "f39e859bd35b3266", "dapo-x"),
+    type(DAPOConfig.tiny_cpu().step_config()): DAPOConfig.tiny_cpu().replace(extra={"b": "2", "a": "1"}).step_config(),
+}
+"""
+
+
+def test_the_states_between_tasks_are_dataclasses_whose_literals_are_the_same_bytes_under_any_hash_seed():
+    """The loop, sampling and tracking states pass between tasks as typed dataclasses (the
+    console shows their fields), and a value is the same literal, so the same cache key,
+    in every process: PYTHONHASHSEED changes the order of sets and of nothing they hold."""
+    import subprocess
+    import sys
+
+    from flytekit.models.types import SimpleType
+
+    script = STATE_VALUES + """
+import hashlib
+import tasks
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.core.type_engine import TypeEngine
+ctx = FlyteContextManager.current_context()
+for kind, value in VALUES.items():
+    literal = TypeEngine.to_literal(ctx, value, kind, TypeEngine.to_literal_type(kind))
+    assert TypeEngine.to_python_value(ctx, literal, kind) == value
+    print(kind.__name__, hashlib.sha256(literal.to_flyte_idl().SerializeToString(deterministic=True)).hexdigest())
+"""
+    digests = {
+        seed: subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, check=True).stdout
+        for seed in ("0", "1", "12345")
+    }
+    assert len(set(digests.values())) == 1, digests
+    assert digests["0"].split()[::2] == ["SamplingState", "LoopState", "RunTarget", "StepConfig"]
+    for task, state in ((rollout.filter_groups, "sampling_state"), (tracking.log_step, "loop_state"),
+                        (tracking.log_step, "target")):
+        typed = serialize(task).template.interface.inputs[state].type
+        assert typed.simple == SimpleType.STRUCT and typed.metadata["properties"], state  # fields, not a JSON string
+
+
+TASK_MODULES = ("tasks.data", "tasks.rollout", "tasks.train", "tasks.tracking", "tasks.evaluate", "workflows.dapo")
+
+
+def test_no_task_or_workflow_passes_a_state_as_a_json_string():
+    """Only the user's own inputs are JSON text (overrides_json: dapo_loop's, its failure
+    handler's); every state between tasks is a typed value."""
+    import importlib
+
+    from flytekit.core.base_task import PythonTask
+    from flytekit.core.workflow import WorkflowBase
+
+    strings = set()
+    for module_name in TASK_MODULES:
+        for name, entity in vars(importlib.import_module(module_name)).items():
+            if isinstance(entity, (PythonTask, WorkflowBase)):
+                interface = entity.python_interface
+                for var, kind in {**interface.inputs, **interface.outputs}.items():
+                    if kind is str and (var.endswith("_json") or var.endswith("_state") or var.startswith("target")):
+                        strings.add(f"{entity.name}.{var}")
+    assert strings == {"workflows.dapo.dapo_loop.overrides_json", "tasks.tracking.end_failed_run.overrides_json",
+                       "tasks.data.resolve_config.overrides_json"}, strings

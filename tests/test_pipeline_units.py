@@ -137,7 +137,6 @@ def test_a_step_whose_unverified_share_passes_the_bound_trains_on_nothing_and_st
     batch, state = filter_groups(cfg, scored, None, SamplingState(), {})
     assert (state.scored_responses, state.unverified_responses, state.unverified_share) == (4, 2, 0.5)
     assert len(state.unverified_notes) == 2 and "over math-verify's 1024" in state.unverified_notes[0]
-    assert SamplingState.from_json(state.to_json()) == state  # travels between tasks
     source = tmp_path / "policy"
     with checkpoint.atomic_dir(source, step=0) as scratch:
         open(f"{scratch}/model.safetensors", "wb").write(b"weights")

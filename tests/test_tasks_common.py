@@ -119,6 +119,22 @@ def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_
     assert base.clip_high == 0.28 and base.n_samples_per_prompt == 8  # the tiny_cpu values, typed
 
 
+def test_each_presets_mlflow_run_key_is_the_one_0_2_0_gave_it_so_an_upgraded_run_logs_into_the_same_run():
+    """tests/fixtures/run_keys_0.2.0.json: every preset's key, and one with overrides, as 0.2.0
+    computed them. A field added since (tasks.common.RUN_KEY_FIELDS_ADDED) at the value runs
+    had before it keeps the key; set to anything else, it is another run."""
+    from dapo.config import DAPOConfig
+    from tasks.common import RUN_KEY_FIELDS_ADDED, run_key
+
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "run_keys_0.2.0.json").read_text())
+    assert {name: run_key(make()) for name, make in DAPOConfig.preset_factories().items()} == recorded["run_keys"]
+    overridden = recorded["with_overrides"]
+    config = DAPOConfig.preset(overridden["preset"], overridden["overrides"])
+    assert run_key(config) == overridden["run_key"]
+    assert set(RUN_KEY_FIELDS_ADDED) <= set(vars(config))  # each a field of the config
+    assert run_key(config.replace(adv_estimator="rloo")) != run_key(config)
+
+
 def test_multi_node_steps_write_under_their_run_on_the_shared_volume_and_prune_it(tmp_path):
     """Each run has its own directory on trainer_shared_dir (runs sharing the volume never
     prune each other), holding its newest shared_checkpoints_kept step checkpoints, and never

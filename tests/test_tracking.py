@@ -1,5 +1,6 @@
 """MLflow tracking: runs, metrics, registry aliases, and a server that goes away."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -398,23 +399,18 @@ def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp
 def test_undelivered_records_wait_in_an_outbox_file_not_in_the_loop_state(tmp_path):
     """MLflow down: the loop state keeps a URI, not the records, however many pile up;
     MLflow back: the outbox is delivered in order and emptied."""
-    from tasks.tracking import LoopState, deliver as deliver_through_outbox, read_outbox
+    from dapo.tracking import LoopState
+    from tasks.tracking import deliver as deliver_through_outbox, read_outbox
 
     down = RunTarget("http://127.0.0.1:9", "dapo-test", "outbox", "x")  # nothing listens on port 9
     state, sizes = LoopState(), []
     for step in range(1, 6):
-        deliver_through_outbox(state, json_of(down), [metrics_record(step, {"acc": step / 10, "loss": 1.0})])
-        sizes.append(len(state.to_json()))
+        deliver_through_outbox(state, down, [metrics_record(step, {"acc": step / 10, "loss": 1.0})])
+        sizes.append(len(json.dumps(dataclasses.asdict(state))))
     assert [r["step"] for r in read_outbox(state)] == [1, 2, 3, 4, 5]
     assert len(set(sizes)) == 1  # the state does not grow with the records waiting
     up = sqlite_target(tmp_path, key="outbox")
-    deliver_through_outbox(state, json_of(up), [metrics_record(6, {"acc": 0.6})])
+    deliver_through_outbox(state, up, [metrics_record(6, {"acc": 0.6})])
     assert state.outbox == ""
     run_id = tracking.Tracker(up).run_id
     assert [m.step for m in client_for(up).get_metric_history(run_id, "acc")] == [1, 2, 3, 4, 5, 6]
-
-
-def json_of(target: RunTarget) -> str:
-    import json
-
-    return json.dumps(target.__dict__)

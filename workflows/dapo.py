@@ -42,8 +42,10 @@ from flytekit.core.workflow import PythonFunctionWorkflow
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.structured import StructuredDataset
 
+from dapo.algorithm.sampling import SamplingState
 from dapo.config import DAPOConfig, ModelConfig, StepConfig
 from dapo.execution.schedule import chunk_ranges, is_validation_step
+from dapo.tracking import RunTarget
 from images.specs import CPU_IMAGE
 from tasks.common import (
     Checkpoint,
@@ -66,6 +68,7 @@ from tasks.rollout import (
     verify_rewards,
 )
 from tasks.tracking import (
+    LoopState,
     RunSummary,
     end_failed_run,
     finish_tracking,
@@ -104,7 +107,7 @@ def _sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
         round_index: int,
         shards: list[int],
         kept: pa.Table | None,
-        sampling_state: str,
+        sampling_state: SamplingState,
     ) -> RoundResult:
         responses = map_task(
             functools.partial(rollout, config=step_config, policy=policy, data=data, step=step, round_index=round_index)
@@ -122,21 +125,28 @@ def _sample_round_workflow(config_json: str) -> PythonFunctionWorkflow:
 
 
 @workflow
-def keep_round(batch: pa.Table, sampling_state: str, done: bool) -> RoundResult:
+def keep_round(batch: pa.Table, sampling_state: SamplingState, done: bool) -> RoundResult:
     """The branch of a round once the batch is full: the round's result passes on unchanged,
     through echo tasks (no pod, no data moved)."""
     return keep_batch(batch=batch), keep_sampling_state(sampling_state=sampling_state), keep_done(done=done)
 
 
 def evaluate_and_register(
-    config: DAPOConfig, step_config: StepConfig, target_json: str, loop_state, policy, data, step: int, model_name: str
+    config: DAPOConfig,
+    step_config: StepConfig,
+    target: RunTarget,
+    loop_state,
+    policy,
+    data,
+    step: int,
+    model_name: str,
 ):
     """evaluate (a rollout-shaped pod) then register_model; returns the new loop state."""
     eval_metrics, samples = evaluate(config=step_config, policy=policy, data=data, step=step).with_overrides(
         **rollout_settings(config)
     )
     return register_model(
-        target_json=target_json,
+        target=target,
         loop_state=loop_state,
         policy=policy,
         step=step,
@@ -160,7 +170,7 @@ def sample_step(config: DAPOConfig, step_config: StepConfig, policy, data, step:
         round_index=0,
         shards=shards,
         kept=None,
-        sampling_state="",
+        sampling_state=SamplingState(),
     )
     for round_index in range(1, config.max_num_gen_batches if config.dynamic_sampling else 1):
         batch, sampling_state, done = (
@@ -186,14 +196,14 @@ def sample_step(config: DAPOConfig, step_config: StepConfig, policy, data, step:
 
 class ChunkOutput(typing.NamedTuple):
     policy: Checkpoint
-    loop_state: str
+    loop_state: LoopState
     next_batch: StructuredDataset | None
-    next_batch_state: str
+    next_batch_state: SamplingState | None
 
 
 class TrainOutput(typing.NamedTuple):
     policy: Checkpoint
-    loop_state: str
+    loop_state: LoopState
 
 
 class DapoResult(typing.NamedTuple):
@@ -205,15 +215,15 @@ class DapoResult(typing.NamedTuple):
 def train_chunk(
     config: DAPOConfig,
     step_config: StepConfig,
-    target_json: str,
+    target: RunTarget,
     data: FlyteDirectory,
     policy: Checkpoint,
-    loop_state: str,
+    loop_state: LoopState,
     first_step: int,
     last_step: int,
     model_name: str,
     next_batch: StructuredDataset | None = None,
-    next_batch_state: str = "",
+    next_batch_state: SamplingState | None = None,
 ) -> ChunkOutput:
     """Steps [first_step, last_step) unrolled; the policy step task is chosen from the
     config's trainer shape (tasks.train.policy_step_for). The pods are shaped from the
@@ -229,7 +239,7 @@ def train_chunk(
         return colocated_steps(
             config,
             step_config,
-            target_json,
+            target,
             data,
             policy,
             loop_state,
@@ -240,7 +250,7 @@ def train_chunk(
             next_batch_state,
         )
     policy_step = policy_step_for(config)
-    upcoming = (next_batch, next_batch_state) if next_batch is not None else None
+    upcoming = (next_batch, next_batch_state) if next_batch is not None and next_batch_state is not None else None
     for step in range(first_step, last_step):
         batch, sampling_state = upcoming or sample_step(config, step_config, policy, data, step)
         upcoming = sample_step(config, step_config, policy, data, step + 1) if config.off_policy_steps else None
@@ -248,19 +258,19 @@ def train_chunk(
             config=step_config, policy=policy, batch=batch, sampling_state=sampling_state, step=step
         ).with_overrides(**trainer_settings(config))
         loop_state = log_step(
-            config=step_config, target_json=target_json, loop_state=loop_state, step=step + 1, step_metrics=metrics
+            config=step_config, target=target, loop_state=loop_state, step=step + 1, step_metrics=metrics
         ).with_overrides(**cpu_settings(config))
         if is_validation_step(step + 1, config.val_every, config.total_steps):
             loop_state = evaluate_and_register(
-                config, step_config, target_json, loop_state, policy, data, step + 1, model_name
+                config, step_config, target, loop_state, policy, data, step + 1, model_name
             )
-    return ChunkOutput(policy, loop_state, *(upcoming or (None, "")))
+    return ChunkOutput(policy, loop_state, *(upcoming or (None, None)))
 
 
 def colocated_steps(
     config: DAPOConfig,
     step_config: StepConfig,
-    target_json: str,
+    target: RunTarget,
     data,
     policy,
     loop_state,
@@ -268,7 +278,7 @@ def colocated_steps(
     last_step: int,
     model_name: str,
     first_batch,
-    first_batch_state: str,
+    first_batch_state: SamplingState | None,
 ):
     """The chunk's steps in one colocated_chunk task (one pod, or the trainer's elastic ranks:
     tasks.train.colocated_chunk_for), then log_chunk; validated on the chunk's last
@@ -276,7 +286,7 @@ def colocated_steps(
     chunk = colocated_chunk_for(config)
     policy, metrics, outbox, next_batch, next_batch_state = chunk(
         config=step_config,
-        target_json=target_json,
+        target=target,
         policy=policy,
         data=data,
         first_step=first_step,
@@ -287,16 +297,14 @@ def colocated_steps(
     ).with_overrides(**colocated_settings(config))
     loop_state = log_chunk(
         config=step_config,
-        target_json=target_json,
+        target=target,
         loop_state=loop_state,
         first_step=first_step,
         step_metrics=metrics,
         outbox=outbox,
     ).with_overrides(**cpu_settings(config))
     if is_validation_step(last_step, config.val_every, config.total_steps):
-        loop_state = evaluate_and_register(
-            config, step_config, target_json, loop_state, policy, data, last_step, model_name
-        )
+        loop_state = evaluate_and_register(config, step_config, target, loop_state, policy, data, last_step, model_name)
     return policy, loop_state, next_batch, next_batch_state
 
 
@@ -305,9 +313,9 @@ def train(
     config: DAPOConfig,
     step_config: StepConfig,
     model_config: ModelConfig,
-    target_json: str,
+    target: RunTarget,
     data: FlyteDirectory,
-    loop_state: str,
+    loop_state: LoopState,
     model_name: str,
 ) -> TrainOutput:
     """The starting policy, its validation, then the step loop as a chain of chunks.
@@ -317,13 +325,13 @@ def train(
     policy = bootstrap_policy(config=model_config, embedded_task=config.embedded_task).with_overrides(
         **bootstrap_settings(config)
     )
-    loop_state = evaluate_and_register(config, step_config, target_json, loop_state, policy, data, 0, model_name)
-    next_batch, next_batch_state = None, ""
+    loop_state = evaluate_and_register(config, step_config, target, loop_state, policy, data, 0, model_name)
+    next_batch, next_batch_state = None, None
     for first, last in chunk_ranges(config):
         policy, loop_state, next_batch, next_batch_state = train_chunk(
             config=config,
             step_config=step_config,
-            target_json=target_json,
+            target=target,
             data=data,
             policy=policy,
             loop_state=loop_state,
@@ -385,17 +393,17 @@ def dapo_loop(
         set=set,
     )
     data, data_stats = prepare_data(config=data_config)
-    target_json, loop_state = start_tracking(
+    target, loop_state = start_tracking(
         config=step_config, tracking_uri=mlflow_tracking_uri, experiment=mlflow_experiment, data_stats=data_stats
     )
     final_policy, final_state = train(
         config=config,
         step_config=step_config,
         model_config=model_config,
-        target_json=target_json,
+        target=target,
         data=data,
         loop_state=loop_state,
         model_name=model_name,
     )
-    summary = finish_tracking(config=config, target_json=target_json, loop_state=final_state, model_name=model_name)
+    summary = finish_tracking(config=config, target=target, loop_state=final_state, model_name=model_name)
     return DapoResult(final_policy, summary)

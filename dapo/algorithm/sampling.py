@@ -42,8 +42,8 @@ MAX_UNVERIFIED_NOTES = 3  # reasons kept for the message of a run stopped on unv
 
 @dataclass
 class SamplingState:
-    """Progress of one step's dynamic sampling, carried from round to round (as JSON
-    between the filter_groups tasks)."""
+    """Progress of one step's dynamic sampling, carried from round to round: a typed input
+    and output of the filter_groups tasks, and of the policy step that trains the batch."""
 
     rounds: int = 0
     generated_groups: int = 0
@@ -105,8 +105,9 @@ class SamplingState:
         return self.kept_groups / self.generated_groups if self.generated_groups else 0.0
 
     def to_json(self) -> str:
+        """The state as JSON: a one-step-off batch's file carries it (dapo.execution.overlap)."""
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> SamplingState:
-        return cls(**json.loads(text)) if text else cls()
+        return cls(**json.loads(text))
