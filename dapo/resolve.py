@@ -1,7 +1,7 @@
 """A run's whole-run checks, above the schema: dapo.config checks each field and the rules
 between fields (plain data); resolving a run also loads the user's functions it names,
 reads its data and model sources, prices its timeouts against its work (dapo.cluster.run_budget)
-and records the digest of the user's code, before any other work (tasks.data.resolve_config)."""
+and records the digest of the user's code, before any other work (tasks.config.resolve_config)."""
 
 from __future__ import annotations
 

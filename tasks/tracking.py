@@ -26,7 +26,7 @@ from dapo.execution.stages import guard, training
 from dapo.tracking import LoopState
 from images.specs import CPU_IMAGE
 from tasks.common import DECKS, Checkpoint, cache, download_weights, run_key, task_entry
-from tasks.data import resolve
+from tasks.config import resolve
 from tasks.flytekit_fixes import register_dataclass
 
 for state_type in (LoopState, tracking.RunTarget):

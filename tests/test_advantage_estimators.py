@@ -165,14 +165,14 @@ def test_an_estimator_that_returns_another_shape_is_named(tmp_path):
     ("algorithm.adv_estimator=''", "algorithm.adv_estimator='': must name an advantage estimator"),
 ])
 def test_a_misspelt_estimator_fails_when_the_run_starts_naming_its_field_and_the_choices(assignment, message):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     with pytest.raises(ConfigError, match=message):
         resolve("tiny_cpu", set=assignment)
 
 
 def test_the_step_config_carries_a_digest_of_the_users_estimator_so_cached_steps_follow_its_code(tmp_path):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     spec = estimator_file(tmp_path, MEDIAN_BASELINE)
     first = resolve("tiny_cpu", set=f"algorithm.adv_estimator={spec}").user_code_digest

@@ -63,6 +63,8 @@ def test_a_task_depends_on_the_modules_it_runs_and_not_on_others():
     assert {"dapo.algorithm.loss", "dapo.engines.update", "dapo.engines.trainer.deepspeed_backend", "tasks.common"} <= set(train)
     scoring = "dapo.execution.stages.scoring"  # the rewards' overlong and format terms
     assert scoring in module_closure("tasks.rollout") and scoring in train and scoring not in module_closure("tasks.data")
+    # the cached data tasks run neither the run's resolution (tasks.config) nor the advantages or the rewards
+    assert not {"dapo.resolve", "dapo.algorithm.advantages", "dapo.rewards"} & set(module_closure("tasks.data"))
     assert len({source_version(module) for module in TASK_MODULES}) == len(TASK_MODULES)
 
 

@@ -100,7 +100,7 @@ def test_round_trip_and_overrides():
 def test_resolve_config_is_not_cached_so_an_edited_config_file_is_read_again(tmp_path):
     """Its key would be the file's name, not its content (nor a preset's values after an
     upgrade, nor a user's function's code): the run's config is read afresh every time."""
-    from tasks.data import resolve, resolve_config
+    from tasks.config import resolve, resolve_config
 
     assert not resolve_config.metadata.cache
     path = tmp_path / "run.yaml"
@@ -135,7 +135,7 @@ def test_a_misplaced_misspelt_or_mistyped_field_is_refused_naming_it(overrides, 
 
 def test_set_assignments_read_values_as_yaml_and_apply_after_the_file_and_the_json(tmp_path):
     from dapo.config import parse_assignments
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     assert parse_assignments("algorithm.clip_high=0.2 trainer.lr=1e-6 rollout.max_rollout_logprob_gap=null "
                              "algorithm.dynamic_sampling=false 'run.extra={team: rl}' model.model_path='/models/a b'") == {
@@ -151,7 +151,7 @@ def test_set_assignments_read_values_as_yaml_and_apply_after_the_file_and_the_js
 
 
 def test_a_float_field_takes_inf_and_yaml_11_exponents_from_set_and_files_and_refuses_nan_naming_it(tmp_path):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     config = resolve("tiny_cpu", set="rollout.max_rollout_logprob_gap=inf trainer.lr=1e-6")
     assert (config.max_rollout_logprob_gap, config.lr) == (float("inf"), 1e-6)

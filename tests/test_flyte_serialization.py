@@ -18,6 +18,7 @@ from images.specs import CPU_IMAGE, GPU_IMAGE, ROLLOUT_IMAGE, TRAINER_IMAGE
 from dapo.code_version import source_version
 from dapo.tracking import LoopState, RunTarget
 from tasks import data, evaluate, rollout, tracking, train
+from tasks.config import resolve_config
 
 TARGET = RunTarget("sqlite:///mlflow.db", "dapo", "run-key", "run-name")
 
@@ -28,7 +29,7 @@ SETTINGS = SerializationSettings(
 GPU_TASKS = {"rollout": rollout.rollout, "policy_step": train.policy_step, "evaluate": evaluate.evaluate,
              "colocated_chunk": train.colocated_chunk}
 CPU_TASKS = {
-    "resolve_config": data.resolve_config, "prepare_data": data.prepare_data, "verify_rewards": rollout.verify_rewards,
+    "resolve_config": resolve_config, "prepare_data": data.prepare_data, "verify_rewards": rollout.verify_rewards,
     "filter_groups": rollout.filter_groups, "log_step": tracking.log_step, "register_model": tracking.register_model,
 }
 
@@ -81,7 +82,7 @@ def test_rollout_batches_are_structured_datasets_and_checkpoints_directories():
 def test_dapo_loop_registers_with_defaults_for_the_embedded_run():
     spec = serialize(dapo_workflow.dapo_loop)
     node_tasks = [n.task_node.reference_id.name for n in spec.template.nodes if n.task_node is not None]
-    assert node_tasks == ["tasks.data.resolve_config", "tasks.data.prepare_data", "tasks.tracking.start_tracking",
+    assert node_tasks == ["tasks.config.resolve_config", "tasks.data.prepare_data", "tasks.tracking.start_tracking",
                           "workflows.dapo.train", "tasks.tracking.finish_tracking"]  # train: the dynamic step loop
     assert set(spec.template.interface.inputs) >= {"preset", "overrides_json", "total_steps", "mlflow_tracking_uri", "train_data"}
     launch_plan = serialize(LaunchPlan.get_or_create(dapo_workflow.dapo_loop))
@@ -429,7 +430,7 @@ for kind, value in VALUES.items():
         assert typed.simple == SimpleType.STRUCT and typed.metadata["properties"], state  # fields, not a JSON string
 
 
-TASK_MODULES = ("tasks.data", "tasks.rollout", "tasks.train", "tasks.tracking", "tasks.evaluate", "workflows.dapo")
+TASK_MODULES = ("tasks.config", "tasks.data", "tasks.rollout", "tasks.train", "tasks.tracking", "tasks.evaluate", "workflows.dapo")
 
 
 def test_no_task_or_workflow_passes_a_state_as_a_json_string():
@@ -449,4 +450,4 @@ def test_no_task_or_workflow_passes_a_state_as_a_json_string():
                     if kind is str and (var.endswith("_json") or var.endswith("_state") or var.startswith("target")):
                         strings.add(f"{entity.name}.{var}")
     assert strings == {"workflows.dapo.dapo_loop.overrides_json", "tasks.tracking.end_failed_run.overrides_json",
-                       "tasks.data.resolve_config.overrides_json"}, strings
+                       "tasks.config.resolve_config.overrides_json"}, strings

@@ -13,7 +13,7 @@ from dapo.config import DAPOConfig
 from dapo.data.prompts import load_prompts
 from dapo.data.gym_tasks import GymSpecError, entry_of, generate_rows, parse_spec
 from dapo.execution.stages import setup
-from tasks.data import resolve
+from tasks.config import resolve
 
 ONE_DIGIT = "reasoning_gym:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=1"
 TWO_DIGIT = "reasoning_gym:chain_sum?min_terms=2&max_terms=2&min_digits=1&max_digits=2"

@@ -173,7 +173,7 @@ def test_where_pad_is_eos_the_end_of_turn_token_stays_in_the_loss_mask(smollm2):
 
 
 def test_resolve_refuses_a_bad_gguf_before_any_work(tmp_path):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     with pytest.raises(ModelSourceError, match="no such GGUF file"):
         resolve("tiny_cpu", set=f"model.model_path={tmp_path / 'missing.gguf'}")
@@ -203,7 +203,7 @@ def test_the_real_models_size_is_the_same_from_its_gguf_and_its_converted_direct
 
 
 def test_resolve_sets_an_unset_model_size_from_the_headers_and_keeps_a_given_one():
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     assert resolve("tiny_cpu").model_size_billions == 0.0  # the embedded tiny policy
     assert resolve("tiny_cpu", set=f"model.model_path={SMOLLM2}").model_size_billions == pytest.approx(0.134515008)
@@ -213,7 +213,7 @@ def test_resolve_sets_an_unset_model_size_from_the_headers_and_keeps_a_given_one
 def test_a_cluster_run_of_a_users_model_is_budgeted_once_its_size_is_read(tmp_path):
     """Before, model_size_billions = 0 skipped the run budget for every model but the presets'."""
     from dapo.model.model_source import safetensors_parameter_count
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     model = tmp_path / "big"
     model.mkdir()
@@ -228,7 +228,7 @@ HUB_SCRIPT = r"""
 import json, sys
 from dapo.logs import configure_logging
 from dapo.execution.stages import setup
-from tasks.data import resolve
+from tasks.config import resolve
 
 configure_logging()
 config = resolve("tiny_cpu", set="model.model_path=our-org/tiny " + sys.argv[1])

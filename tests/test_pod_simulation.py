@@ -126,7 +126,7 @@ def execute(cluster, name: str, faults: dict | None = None, **inputs) -> dict:
 
 
 def resolved_config(values: dict):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     return resolve(values["preset"], values["overrides_json"], values["total_steps"], values["train_data"], values["val_data"],
                    values["steps_per_chunk"], values["config_file"], values["set"])

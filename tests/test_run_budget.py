@@ -81,7 +81,7 @@ def test_the_config_itself_is_plain_data_and_the_run_and_the_cli_check_the_budge
     """Building a config never prices it (no import of the cost model from the schema); the
     run's resolver and `python -m dapo config` refuse what the budget refuses."""
     from dapo import cli, resolve as run_resolver
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     monkeypatch.setattr(run_resolver, "hub_commit", lambda name, revision: "0" * 40)  # offline: the hub's answer
     short = PAPER.replace(stage_timeout_minutes=1)  # built: the schema has no opinion on timeouts

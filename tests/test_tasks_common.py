@@ -91,7 +91,7 @@ def test_the_paper_preset_asks_for_its_data_before_any_work(monkeypatch):
 
     from dapo import resolve
     from dapo.config import ConfigError
-    from tasks.data import resolve_config
+    from tasks.config import resolve_config
 
     monkeypatch.setattr(resolve, "hub_commit", lambda name, revision: "c" * 40)  # no hub here (test_model_source reads a cache)
     with pytest.raises(ConfigError, match="--train_data"):
@@ -106,7 +106,7 @@ def test_the_paper_preset_asks_for_its_data_before_any_work(monkeypatch):
 def test_the_step_config_ignores_the_run_length_validation_and_tags_but_not_the_algorithm():
     """What the step tasks are cached on: the same for a longer run, other validation or
     tags or pod settings; different for anything a step computes with."""
-    from tasks.data import resolve_config
+    from tasks.config import resolve_config
 
     def step_config(total_steps: int, steps_per_chunk: int = 0, **overrides):
         return resolve_config(preset="tiny_cpu", overrides_json=json.dumps(overrides), total_steps=total_steps, train_data="",

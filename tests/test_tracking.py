@@ -378,7 +378,7 @@ def test_a_failed_execution_ends_its_run_failed_and_a_resumed_one_reopens_it(tmp
     from flytekit.types.error import FlyteError
 
     from tasks.common import run_key
-    from tasks.data import resolve
+    from tasks.config import resolve
     from tasks.tracking import end_failed_run
 
     monkeypatch.chdir(tmp_path)

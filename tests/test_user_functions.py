@@ -182,14 +182,14 @@ def test_the_example_loss_is_cispos_formula():
     ("'reward.reward_fn_by_source={gsm8k: no_such_module:score}'", "reward_fn_by_source\\['gsm8k'\\]: scorer .* cannot import 'no_such_module'"),
 ])
 def test_a_misspelt_function_fails_when_the_run_starts_naming_its_field(assignment, message):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     with pytest.raises(ConfigError, match=message):
         resolve("tiny_cpu", set=assignment)
 
 
 def test_the_step_config_carries_a_digest_of_the_users_functions_so_cached_steps_follow_their_code(tmp_path):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     assert resolve("tiny_cpu").user_code_digest == ""
     spec = scorer_file(tmp_path, "    return 1.0\n")
@@ -200,7 +200,7 @@ def test_the_step_config_carries_a_digest_of_the_users_functions_so_cached_steps
 
 
 def test_the_digest_follows_a_helper_beside_the_scorer_and_the_data_files_it_declares_not_caches_or_venvs(tmp_path):
-    from tasks.data import resolve
+    from tasks.config import resolve
 
     (tmp_path / "helpers").mkdir()
     (tmp_path / "helpers" / "parse.py").write_text("def answer(text):\n    return text.strip()\n")

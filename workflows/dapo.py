@@ -56,7 +56,8 @@ from tasks.common import (
     rollout_settings,
     trainer_settings,
 )
-from tasks.data import bootstrap_policy, prepare_data, resolve_config
+from tasks.config import resolve_config
+from tasks.data import bootstrap_policy, prepare_data
 from tasks.evaluate import evaluate
 from tasks.rollout import (
     RoundResult,
